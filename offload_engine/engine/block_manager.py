@@ -1,0 +1,139 @@
+"""Paged KV blocks on two tiers, with prefix caching within each tier.
+
+Each tier (`BlockLocation.GPU`: the device pool, `BlockLocation.CPU`: the pinned host pool) has its own
+`BlockPool` with its own block size. A sequence lives wholly on one tier, chosen at admission by
+`engine/placement.py`; its `block_table` indexes that tier's pool.
+
+Prefix caching: a full block whose KV has been computed is registered under a hash chained over every token
+before it. A later sequence with the same leading tokens reuses the block (the token ids are compared, so
+a hash collision can never serve wrong KV). Freed blocks keep their registration until they are handed out
+again, least recently freed first.
+"""
+from collections import OrderedDict
+
+from offload_engine.engine.sequence import BlockLocation, Sequence
+
+
+class Block:
+    __slots__ = ("block_id", "ref_count", "hash", "token_ids")
+
+    def __init__(self, block_id: int):
+        self.block_id = block_id
+        self.ref_count = 0
+        self.hash: int | None = None
+        self.token_ids: tuple[int, ...] = ()
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool):
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
+        self.cached: dict[int, int] = {}  # chained hash -> block id
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)
+
+    def blocks_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def take_free(self) -> int:
+        block_id, _ = self.free.popitem(last=False)
+        block = self.blocks[block_id]
+        if block.hash is not None and self.cached.get(block.hash) == block_id:
+            del self.cached[block.hash]
+        block.hash, block.token_ids, block.ref_count = None, (), 1
+        return block_id
+
+    def lookup(self, block_hash: int, token_ids: tuple[int, ...]) -> int | None:
+        block_id = self.cached.get(block_hash)
+        if block_id is None or self.blocks[block_id].token_ids != token_ids:
+            return None
+        return block_id
+
+    def share(self, block_id: int) -> None:
+        self.blocks[block_id].ref_count += 1
+        self.free.pop(block_id, None)
+
+    def release(self, block_id: int) -> None:
+        block = self.blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            self.free[block_id] = None
+
+    def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
+        block = self.blocks[block_id]
+        block.hash, block.token_ids = block_hash, token_ids
+        self.cached.setdefault(block_hash, block_id)
+
+
+class BlockManager:
+    def __init__(self, num_gpu_blocks: int, block_size: int, num_cpu_blocks: int, cpu_block_size: int,
+                 enable_prefix_caching: bool = True):
+        self.pools = {
+            BlockLocation.GPU: BlockPool(num_gpu_blocks, block_size, enable_prefix_caching),
+            BlockLocation.CPU: BlockPool(num_cpu_blocks, cpu_block_size, enable_prefix_caching),
+        }
+
+    def pool(self, location: BlockLocation) -> BlockPool:
+        return self.pools[location]
+
+    def can_allocate(self, seq: Sequence, location: BlockLocation) -> bool:
+        pool = self.pools[location]
+        return pool.blocks_for(len(seq)) <= pool.num_free
+
+    def allocate(self, seq: Sequence, location: BlockLocation) -> None:
+        """Gives the sequence blocks for all its tokens, reusing cached prefix blocks where they match."""
+        pool = self.pools[location]
+        seq.location = seq.last_location = location
+        # Only blocks wholly before the last token may hit: that token must be computed to give logits.
+        reusable = (len(seq) - 1) // pool.block_size if pool.enable_prefix_caching else 0
+        table, hits, prefix_hash = [], 0, None
+        for i in range(pool.blocks_for(len(seq))):
+            block_id = None
+            if i == hits and i < reusable:  # every block so far was a hit: keep matching
+                tokens = tuple(seq.token_ids[i * pool.block_size : (i + 1) * pool.block_size])
+                prefix_hash = hash((prefix_hash, tokens))
+                block_id = pool.lookup(prefix_hash, tokens)
+            if block_id is None:
+                table.append(pool.take_free())
+            else:
+                pool.share(block_id)
+                table.append(block_id)
+                hits += 1
+        seq.block_table = table
+        seq.num_hashed_blocks = hits
+        seq.num_computed_tokens = hits * pool.block_size
+
+    def deallocate(self, seq: Sequence) -> None:
+        pool = self.pools[seq.location]
+        for block_id in reversed(seq.block_table):
+            pool.release(block_id)
+        seq.block_table, seq.location = [], None
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+
+    def can_append(self, seq: Sequence) -> bool:
+        """Room for the newest token: a new block is needed only when it starts one."""
+        pool = self.pools[seq.location]
+        return pool.blocks_for(len(seq)) <= len(seq.block_table) or pool.num_free >= 1
+
+    def append_slot(self, seq: Sequence) -> None:
+        pool = self.pools[seq.location]
+        if pool.blocks_for(len(seq)) > len(seq.block_table):
+            seq.block_table.append(pool.take_free())
+
+    def register_computed_blocks(self, seq: Sequence) -> None:
+        """Registers the sequence's newly full, computed blocks for prefix reuse."""
+        pool = self.pools[seq.location]
+        if not pool.enable_prefix_caching:
+            return
+        size = pool.block_size
+        prefix_hash = pool.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // size):
+            tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
+            prefix_hash = hash((prefix_hash, tokens))
+            pool.register(seq.block_table[i], prefix_hash, tokens)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // size)

@@ -1,0 +1,112 @@
+"""Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens."""
+import logging
+
+import torch
+
+from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
+from offload_engine.config import EngineConfig, ModelConfig
+from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.engine.step_inputs import StepInputBuilder
+from offload_engine.layers.attention_backends import select_backend
+from offload_engine.layers.sampler import SamplingBatch, sample
+from offload_engine.loader import build_model
+
+log = logging.getLogger(__name__)
+GiB = 1 << 30
+CPU_DEVICE_POOL_BYTES = 1 * GiB  # device="cpu": the "device" tier is host memory too; keep it modest
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype,
+                 max_model_len: int):
+        self.cfg, self.model_cfg, self.dtype = cfg, model_cfg, dtype
+        self.device = cfg.torch_device
+        self.max_model_len = max_model_len
+        self.model = build_model(model_cfg, model_dir, dtype, self.device, max_position=max_model_len)
+        self.backend = select_backend(cfg.attention_backend, self.device, cfg.block_size)
+        self.inputs = StepInputBuilder(self.device, cfg.block_size, cfg.cpu_block_size)
+        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.num_gpu_blocks = self._size_device_pool()
+        self.device_pool = self.allocate_device_pool(self.num_gpu_blocks)
+        self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
+        self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
+
+    # ---- pools -------------------------------------------------------------------------------------------
+    def _block_bytes(self, block_size: int) -> int:
+        return block_size * self.model_cfg.kv_bytes_per_token(self.dtype)
+
+    def _wanted_blocks(self, block_size: int) -> int:
+        """Enough blocks for max_num_seqs sequences of max_model_len: more can never be used at once."""
+        return self.cfg.max_num_seqs * -(-self.max_model_len // block_size)
+
+    def _size_device_pool(self) -> int:
+        if self.cfg.num_gpu_blocks is not None:
+            return self.cfg.num_gpu_blocks
+        if self.device.type == "cpu":
+            return max(1, min(self._wanted_blocks(self.cfg.block_size), CPU_DEVICE_POOL_BYTES // self._block_bytes(self.cfg.block_size)))
+        from offload_engine.engine.memory_profile import profile_free_kv_bytes
+
+        free = profile_free_kv_bytes(self)
+        blocks = free // self._block_bytes(self.cfg.block_size)
+        if blocks < 1:
+            raise ValueError("no GPU memory is left for the KV cache after the model and its activations: raise "
+                             "gpu_memory_utilization, lower max_num_batched_tokens, or set num_gpu_blocks")
+        return blocks
+
+    def allocate_device_pool(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        cfg = self.model_cfg
+        shape = (num_blocks, self.cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
+                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+
+    def _make_host_tier(self):
+        wants_host = self.cfg.kv_placement != "gpu" or self.cfg.num_cpu_blocks or self.cfg.cpu_kv_cache_gb
+        if not wants_host:
+            return 0, None, None
+        from cpu_attention import CpuAttentionExecutor
+
+        size = self.cfg.cpu_block_size
+        blocks = host_pool_blocks(self._block_bytes(size), self.cfg.num_cpu_blocks, self.cfg.cpu_kv_cache_gb,
+                                  self._wanted_blocks(size))
+        cfg = self.model_cfg
+        pool = HostKVPool(cfg.num_layers, blocks, cfg.num_kv_heads, size, cfg.head_dim, self.dtype,
+                          pin=self.device.type == "cuda")
+        return blocks, pool, CpuAttentionExecutor()
+
+    def bind_kv_caches(self, device_pool, host_pool) -> None:
+        """Hands every attention layer its caches in both tiers, the device backend and the host executor."""
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache, layer.v_cache = device_pool[i]
+            layer.k_cache_cpu, layer.v_cache_cpu = host_pool[i] if host_pool else (None, None)
+            layer.backend, layer.executor = self.backend, getattr(self, "executor", None)
+
+    def close(self) -> None:
+        if self.executor is not None:
+            self.executor.shutdown()
+        if self.host_pool is not None:
+            self.host_pool.close()
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+        step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
+        hidden = self.model(step.token_ids, step.positions, step.meta)
+        logits = self.model.compute_logits(hidden[step.sample_rows])
+        for write in step.meta.pending_host_writes:
+            write.result()  # the next step may stage these blocks back
+        return sample(logits, self._sampling_batch(seqs), self.generator).tolist()
+
+    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        params = [s.params for s in seqs]
+        vocab = self.model_cfg.vocab_size
+        for seq in seqs:
+            if seq.params.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        return SamplingBatch(
+            temperatures=self.inputs.to_device([p.temperature for p in params], torch.float32),
+            top_ks=self.inputs.to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
+            top_ps=self.inputs.to_device([p.top_p for p in params], torch.float32),
+            generators=[s.generator for s in seqs],
+            all_greedy=all(p.greedy for p in params),
+            needs_filter=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
+        )

@@ -1,0 +1,122 @@
+"""Continuous batching with chunked prefill, on two KV tiers.
+
+A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens` tokens) or a decode step
+(one token for every running sequence). Prefill goes first, so new requests join the batch as soon as a
+tier has room for them. When a decode step finds no room for a sequence's next token, the newest sequence
+on the same tier is preempted: its blocks are freed and it is recomputed later. No request is dropped.
+"""
+from collections import deque
+
+from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.placement import choose_tier
+from offload_engine.engine.sequence import Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, kv_placement: str, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+        self.blocks = blocks
+        self.kv_placement = kv_placement
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()  # in admission order: the newest is preempted first
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> tuple[list[Sequence], bool]:
+        """The sequences of the next step, and whether it is a prefill step."""
+        batch = self._schedule_prefill()
+        if batch:
+            return batch, True
+        return self._schedule_decode(), False
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        budget, batch = self.max_num_batched_tokens, []
+        for seq in self.running:
+            if seq.in_prefill and budget > 0:
+                budget -= self._take_chunk(seq, budget)
+                batch.append(seq)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            tier = choose_tier(seq, self.kv_placement, self.blocks, self.running)
+            if tier is None:
+                break
+            self.blocks.allocate(seq, tier)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            budget -= self._take_chunk(seq, budget)
+            batch.append(seq)
+        return batch
+
+    @staticmethod
+    def _take_chunk(seq: Sequence, budget: int) -> int:
+        seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
+        return seq.num_scheduled_tokens
+
+    def _schedule_decode(self) -> list[Sequence]:
+        batch = []
+        for seq in list(self.running):
+            if seq.status != SequenceStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            while not self.blocks.can_append(seq):
+                victim = self._newest_on_tier(seq)
+                self._preempt(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append_slot(seq)
+                seq.num_scheduled_tokens = 1
+                batch.append(seq)
+        return batch
+
+    def _newest_on_tier(self, seq: Sequence) -> Sequence:
+        """The most recently admitted running sequence on seq's tier (seq itself if it is the newest)."""
+        return next(s for s in reversed(self.running) if s.location == seq.location)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Records a step's results; returns the sequences that finished."""
+        finished = []
+        for seq, token in zip(batch, token_ids):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            self.blocks.register_computed_blocks(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue  # one chunk of a longer prefill: its sample means nothing yet
+            seq.token_ids.append(token)
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+        params = seq.params
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if len(seq.completion_token_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Frees a sequence's blocks and takes it out of the queues (also used to abort)."""
+        if seq.location is not None:
+            self.blocks.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,58 @@
+"""One request as the engine tracks it: its tokens, how many have KV in the cache, and where that KV lives."""
+from enum import Enum, auto
+from itertools import count
+
+from offload_engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+class BlockLocation(Enum):
+    """The KV tier a sequence is placed on: the device pool or the pinned host pool."""
+
+    GPU = "gpu"
+    CPU = "cpu"
+
+
+class Sequence:
+    _ids = count()
+
+    def __init__(self, token_ids: list[int], params: SamplingParams, budget: int):
+        self.seq_id = next(Sequence._ids)
+        self.token_ids = list(token_ids)
+        self.num_prompt_tokens = len(token_ids)
+        self.params = params
+        self.budget = budget  # the most tokens it can ever hold: prompt + max_tokens, capped at max_model_len
+        self.status = SequenceStatus.WAITING
+        self.location: BlockLocation | None = None  # chosen at admission (engine/placement.py)
+        self.last_location: BlockLocation | None = None  # kept after the blocks are freed, for the output
+        self.block_table: list[int] = []  # block ids in its tier's pool
+        self.num_computed_tokens = 0  # tokens whose KV is in the cache
+        self.num_scheduled_tokens = 0  # tokens this step computes
+        self.num_hashed_blocks = 0  # leading full blocks already registered for prefix reuse
+        self.finish_reason: str | None = None
+        self.generator = None  # torch.Generator for seeded sampling, made by the runner on first use
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        return len(self) - self.num_computed_tokens
+
+    @property
+    def in_prefill(self) -> bool:
+        """More than the one newest token lacks KV: the next step for it is a (chunked) prefill."""
+        return self.num_uncomputed_tokens > 1 or self.num_computed_tokens == 0
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == SequenceStatus.FINISHED

@@ -1,0 +1,125 @@
+"""The split attention layer: GPU-tier rows attend on the device, CPU-tier rows on the host.
+
+Per step and layer (DESIGN.md, "The split attention layer"):
+- K/V writes go to each token's own tier: `slot_mapping` into the device pool, `slot_mapping_cpu` into the
+  host pool (one batched device-to-host copy, then `cpu_attention.store_kvcache` on the host executor).
+- Decode: the CPU half is launched first (q crosses to the host, numba runs on host threads, nogil) and the
+  device half overlaps it; the host result crosses back and the two are merged by log-sum-exp.
+- Prefill is compute-bound and always runs on the device. A CPU-tier row's cached prefix is staged from the
+  host pool into a token-major staging cache for the layer; nothing else of its KV moves.
+"""
+import torch
+from torch import nn
+
+from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
+
+
+class Attention(nn.Module):
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
+        # Bound by the model runner once the pools exist (see ModelRunner.bind_kv_caches).
+        self.k_cache = self.v_cache = None  # device tier, token-major [blocks, block_size, Hkv, D]
+        self.k_cache_cpu = self.v_cache_cpu = None  # host tier, head-major [blocks, Hkv, cpu_block_size, D]
+        self.backend = None  # the device tier's kernels (layers.attention_backends)
+        self.executor = None  # cpu_attention.CpuAttentionExecutor: the host tier's one worker thread
+
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+        if meta.is_prefill:
+            return self._prefill(q, k, v, meta)
+        return self._decode(q, k, v, meta)
+
+    def _decode(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        host_job = self._submit_host_decode(q, k, v, meta) if meta.has_cpu_rows else None
+        if meta.has_gpu_rows:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            out, lse = self.backend.paged_decode_attention(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
+            if host_job is None:
+                return out
+        host_out, host_lse = (t.to(q.device, non_blocking=True) for t in host_job.result())
+        if not meta.has_gpu_rows:
+            return host_out
+        return self.backend.merge_attn_states(out, lse, host_out, host_lse)[0]
+
+    def _submit_host_decode(self, q, k, v, meta: AttentionMetadata):
+        q_host, k_host, v_host = _to_host(q), _to_host(k), _to_host(v)
+        arrived = _record_event(q)
+        from cpu_attention import paged_decode_attention, store_kvcache
+
+        def run():
+            if arrived is not None:
+                arrived.synchronize()
+            # The new token's K/V must be in the pool before the kernel reads its row.
+            store_kvcache(k_host, v_host, self.k_cache_cpu, self.v_cache_cpu, meta.slot_mapping_cpu)
+            return paged_decode_attention(
+                q_host, self.k_cache_cpu, self.v_cache_cpu, meta.block_tables_cpu, meta.context_lens_cpu, self.scale)
+
+        return self.executor.submit(run)
+
+    def _prefill(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+        partials = []
+        if meta.has_cpu_rows:
+            meta.pending_host_writes.append(self._submit_host_write(k, v, meta.staging))
+        if meta.has_gpu_rows:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            partials.append(self.backend.paged_prefill_attention(
+                q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
+                self.scale, meta.max_seqlen_q))
+        if meta.has_cpu_rows:
+            k_staged, v_staged = self._stage_prefix(meta.staging, q.device)
+            self.backend.store_kvcache(k, v, k_staged, v_staged, meta.staging.slot_mapping)
+            partials.append(self.backend.paged_prefill_attention(
+                q, k_staged, v_staged, meta.staging.block_tables, meta.cu_seqlens_q, meta.staging.context_lens,
+                self.scale, meta.max_seqlen_q))
+        if len(partials) == 1:
+            return partials[0][0]
+        # Each token has one non-empty partial here; the merge puts both tiers back into batch order.
+        return self.backend.merge_attn_states(*partials[0], *partials[1])[0]
+
+    def _submit_host_write(self, k, v, staging: PrefixStaging):
+        if staging.host_token_indices is not None:
+            k, v = k[staging.host_token_indices], v[staging.host_token_indices]
+        k_host, v_host = _to_host(k), _to_host(v)
+        arrived = _record_event(k)
+        from cpu_attention import store_kvcache
+
+        def run():
+            if arrived is not None:
+                arrived.synchronize()
+            store_kvcache(k_host, v_host, self.k_cache_cpu, self.v_cache_cpu, staging.host_token_slots)
+
+        return self.executor.submit(run)
+
+    def _stage_prefix(self, staging: PrefixStaging, device: torch.device):
+        """Copies the CPU-tier prefix blocks into a token-major device cache, transposing on the device."""
+        _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
+        shape = (staging.num_blocks, block_size, num_kv_heads, head_dim)
+        staged = []
+        num_prefix = staging.source_blocks.numel()
+        for host_pool in (self.k_cache_cpu, self.v_cache_cpu):
+            cache = torch.empty(shape, dtype=host_pool.dtype, device=device)
+            if num_prefix:
+                gathered = torch.empty((num_prefix, num_kv_heads, block_size, head_dim), dtype=host_pool.dtype,
+                                       pin_memory=device.type == "cuda")
+                torch.index_select(host_pool, 0, staging.source_blocks, out=gathered)
+                cache[:num_prefix].copy_(gathered.to(device, non_blocking=True).transpose(1, 2))
+            staged.append(cache)
+        return staged
+
+
+def _to_host(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous host copy (pinned, asynchronous from CUDA; the tensor itself on the CPU)."""
+    if t.device.type == "cpu":
+        return t.contiguous()
+    return t.contiguous().to("cpu", non_blocking=True)
+
+
+def _record_event(t: torch.Tensor):
+    if t.device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event
+

@@ -1,0 +1,52 @@
+"""The model runner's per-step contract with every attention layer: one set of maps per KV tier.
+
+Rows (sequences) and tokens of the other tier are masked: slot -1, context length 0, block-table row of -1.
+Each tier's kernel can therefore run over the whole batch, and the other tier's rows come back empty
+(out 0, lse -inf), which is exactly what `merge_attn_states` passes through.
+"""
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class PrefixStaging:
+    """How CPU-tier prefill rows see their KV on the compute device for one step.
+
+    Their cached prefix blocks are copied from the host pool into a token-major staging cache (the first
+    `len(source_blocks)` staging blocks, in that order), the chunk's fresh K/V are written after them, and
+    the GPU prefill kernel runs over the staging cache with these tables.
+    """
+
+    source_blocks: torch.Tensor  # host int64 [P]: host-pool blocks holding the prefix tokens
+    num_blocks: int  # staging blocks in all (prefix + chunk)
+    block_tables: torch.Tensor  # device int32 [B, max_blocks]: staging block ids, -1 for GPU-tier rows
+    slot_mapping: torch.Tensor  # device int64 [T]: staging slot of each CPU-tier token, -1 otherwise
+    context_lens: torch.Tensor  # device int32 [B]: KV length of CPU-tier rows (prefix + chunk), 0 otherwise
+    # In a mixed batch only the CPU-tier tokens' K/V cross to the host: their indices (device) and host
+    # slots; None when every token of the step is CPU-tier.
+    host_token_indices: torch.Tensor | None
+    host_token_slots: torch.Tensor | None
+
+
+@dataclass
+class AttentionMetadata:
+    is_prefill: bool
+    # GPU tier: tensors on the compute device.
+    slot_mapping: torch.Tensor  # [T] int64, -1 for CPU-tier tokens
+    context_lens: torch.Tensor  # [B] int32, 0 for CPU-tier rows
+    block_tables: torch.Tensor  # [B, max_blocks] int32, -1 rows for CPU-tier rows
+    # CPU tier: host tensors, built on the host and never copied to the device.
+    slot_mapping_cpu: torch.Tensor  # [T] int64, -1 for GPU-tier tokens
+    context_lens_cpu: torch.Tensor  # [B] int32, 0 for GPU-tier rows
+    block_tables_cpu: torch.Tensor  # [B, max_blocks_cpu] int32, -1 rows for GPU-tier rows
+    # Which tiers have rows this step: host facts, so no layer has to sync to find out.
+    has_gpu_rows: bool
+    has_cpu_rows: bool
+    # Prefill only: packed query layout (device) and its longest row.
+    cu_seqlens_q: torch.Tensor | None = None
+    max_seqlen_q: int = 0
+    staging: PrefixStaging | None = None
+    # Host-pool writes still running on the CPU executor; the runner waits for them before the step ends.
+    pending_host_writes: list[Future] = field(default_factory=list)

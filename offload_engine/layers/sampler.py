@@ -1,0 +1,51 @@
+"""Token sampling: greedy, temperature, top-k, top-p, with per-request generators for seeded requests.
+
+Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p exactly and needs
+no cumulative search; a seeded request draws its E from its own generator, so its tokens do not depend on
+what else shares the batch.
+"""
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings for one step, already on the logits' device."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_ks: torch.Tensor  # [B] int64, vocab size when off
+    top_ps: torch.Tensor  # [B] float32
+    generators: list[torch.Generator | None]  # per row; None uses the engine's generator
+    all_greedy: bool
+    needs_filter: bool  # some row has top-k or top-p on: only then is the vocabulary sorted
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch, default_generator: torch.Generator) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] int64."""
+    greedy = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy
+    temps = batch.temperatures.clamp_min(1e-6).unsqueeze(1)
+    scaled = logits / temps
+    if batch.needs_filter:
+        scaled = _filter_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+    probs = scaled.softmax(dim=-1)
+    noise = torch.empty_like(probs).exponential_(generator=default_generator)
+    for row, gen in enumerate(batch.generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(batch.temperatures == 0, greedy, sampled)
+
+
+def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
+    """Sets to -inf every logit outside the row's top-k and outside its smallest top-p nucleus."""
+    sorted_logits, order = logits.sort(dim=-1, descending=True)
+    ranks = torch.arange(logits.shape[-1], device=logits.device).unsqueeze(0)
+    drop = ranks >= top_ks.unsqueeze(1)
+    probs = sorted_logits.masked_fill(drop, -float("inf")).softmax(dim=-1)
+    # Keep a token while the mass before it is below top_p: the most likely token always stays.
+    drop |= (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
+    sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)

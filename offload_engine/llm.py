@@ -1,0 +1,161 @@
+"""The public entry point: `LLM(model_dir, ...).generate(prompts, sampling_params)`."""
+import json
+import os
+
+import torch
+from tqdm.auto import tqdm
+
+from offload_engine.config import DTYPES, EngineConfig, ModelConfig
+from offload_engine.engine.llm_engine import LLMEngine
+from offload_engine.engine.sequence import Sequence
+from offload_engine.outputs import RequestOutput
+from offload_engine.sampling_params import SamplingParams
+
+
+class LLM:
+    def __init__(self, model: str, device: str | None = None, dtype: str = "auto", kv_placement: str = "auto",
+                 num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
+                 cpu_kv_cache_gb: float | None = None, block_size: int = 16, cpu_block_size: int | None = None,
+                 max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
+                 gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
+                 attention_backend: str = "auto", seed: int = 0):
+        self.config = EngineConfig(
+            device=device, dtype=dtype, kv_placement=kv_placement, num_gpu_blocks=num_gpu_blocks,
+            num_cpu_blocks=num_cpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb, block_size=block_size,
+            cpu_block_size=cpu_block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
+            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+            attention_backend=attention_backend, seed=seed)
+        self.config.validate()
+        if not os.path.isdir(model):
+            raise OSError(f"model directory {model!r} does not exist: pass a Hugging Face model directory "
+                          "(config.json + *.safetensors)")
+        self.model_dir = model
+        self.model_config = ModelConfig.from_model_dir(model)
+        self.max_model_len = self._max_model_len()
+        self.dtype = self.model_config.dtype if dtype == "auto" else DTYPES[dtype]
+        self.tokenizer = _load_tokenizer(model)
+        torch.manual_seed(seed)
+        self.engine = LLMEngine(model, self.model_config, self.config, self.dtype, self.max_model_len,
+                                _eos_token_ids(model, self.model_config))
+
+    def _max_model_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        if self.config.max_model_len is None:
+            return limit
+        if self.config.max_model_len > limit:
+            raise ValueError(f"max_model_len={self.config.max_model_len} exceeds the model's "
+                             f"max_position_embeddings={limit}: lower it")
+        return self.config.max_model_len
+
+    @property
+    def kv_cache_summary(self) -> dict:
+        runner = self.engine.runner
+        return {"device_blocks": runner.num_gpu_blocks, "block_size": self.config.block_size,
+                "host_blocks": runner.num_cpu_blocks, "cpu_block_size": self.config.cpu_block_size,
+                "attention_backend": runner.backend.name}
+
+    def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for every prompt; outputs come back in prompt order. Bad input raises before any work."""
+        texts, token_lists = self._tokenize(prompts)
+        params = self._per_prompt_params(sampling_params, len(token_lists))
+        seqs = [self.engine.make_sequence(ids, p) for ids, p in zip(token_lists, params)]
+        for seq in seqs:
+            self.engine.add(seq)
+        try:
+            self._run(len(seqs), use_tqdm)
+        except BaseException:
+            self.engine.abort(seqs)  # leave the engine empty and usable
+            raise
+        return [self._output(text, seq) for text, seq in zip(texts, seqs)]
+
+    def _run(self, num_requests: int, use_tqdm: bool) -> None:
+        bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
+        rates = {"prefill": 0.0, "decode": 0.0}
+        try:
+            while self.engine.has_work():
+                stats = self.engine.step()
+                rates["prefill" if stats.is_prefill else "decode"] = stats.num_tokens / max(stats.seconds, 1e-9)
+                bar.set_postfix_str(f"prefill {rates['prefill']:.0f} tok/s, decode {rates['decode']:.0f} tok/s")
+                bar.update(len(stats.finished))
+        finally:
+            bar.close()
+
+    def _tokenize(self, prompts) -> tuple[list, list[list[int]]]:
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        if not isinstance(prompts, (list, tuple)):
+            raise ValueError("prompts must be a list of strings or a list of token-id lists")
+        if prompts and all(isinstance(p, int) for p in prompts):
+            raise ValueError("prompts looks like one token-id list: pass a list of token-id lists, e.g. [[1, 2, 3]]")
+        texts, token_lists = [], []
+        for i, prompt in enumerate(prompts):
+            if isinstance(prompt, str):
+                if self.tokenizer is None:
+                    raise ValueError(f"{self.model_dir!r} has no tokenizer: pass token-id lists instead of strings")
+                texts.append(prompt)
+                token_lists.append(self.tokenizer.encode(prompt))
+            else:
+                texts.append(None)
+                token_lists.append(list(prompt))
+            self._check_prompt(i, token_lists[-1])
+        return texts, token_lists
+
+    def _check_prompt(self, i: int, token_ids: list[int]) -> None:
+        if not token_ids:
+            raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
+        vocab = self.model_config.vocab_size
+        bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt {i} has token id {bad!r} outside [0, {vocab}): use this model's tokenizer")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(f"prompt {i} has {len(token_ids)} tokens, at or over max_model_len={self.max_model_len}: "
+                             "shorten it or raise max_model_len")
+
+    @staticmethod
+    def _per_prompt_params(sampling_params, count: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            return [SamplingParams()] * count
+        if isinstance(sampling_params, SamplingParams):
+            return [sampling_params] * count
+        params = list(sampling_params)
+        if len(params) != count:
+            raise ValueError(f"got {len(params)} sampling_params for {count} prompts: pass one, or one per prompt")
+        if not all(isinstance(p, SamplingParams) for p in params):
+            raise ValueError("sampling_params must be SamplingParams objects")
+        return params
+
+    def _output(self, text: str | None, seq: Sequence) -> RequestOutput:
+        completion = seq.completion_token_ids
+        decoded = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else None
+        return RequestOutput(prompt=text, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
+                             token_ids=completion, text=decoded, finish_reason=seq.finish_reason,
+                             kv_location=seq.last_location.value)
+
+    def close(self) -> None:
+        self.engine.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _load_tokenizer(model_dir: str):
+    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def _eos_token_ids(model_dir: str, cfg: ModelConfig) -> tuple[int, ...]:
+    """config.json's eos ids plus generation_config.json's, as transformers' generate uses both."""
+    ids = set(cfg.eos_token_ids)
+    path = os.path.join(model_dir, "generation_config.json")
+    if os.path.isfile(path):
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+        ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
+    return tuple(sorted(ids))

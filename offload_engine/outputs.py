@@ -1,0 +1,12 @@
+"""What `LLM.generate` returns: one record per prompt, in prompt order."""
+from dataclasses import dataclass
+
+
+@dataclass
+class RequestOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    text: str | None  # None when the model directory has no tokenizer
+    finish_reason: str  # "stop" (eos or a stop token) or "length" (max_tokens or max_model_len)
+    kv_location: str  # "gpu" or "cpu": the tier the request's KV lived on when it finished
