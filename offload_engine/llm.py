@@ -95,9 +95,11 @@ class LLM:
                     raise ValueError(f"{self.model_dir!r} has no tokenizer: pass token-id lists instead of strings")
                 texts.append(prompt)
                 token_lists.append(self.tokenizer.encode(prompt))
-            else:
+            elif isinstance(prompt, (list, tuple)):
                 texts.append(None)
                 token_lists.append(list(prompt))
+            else:
+                raise ValueError(f"prompt {i} is a {type(prompt).__name__}: pass strings or token-id lists")
             self._check_prompt(i, token_lists[-1])
         return texts, token_lists
 

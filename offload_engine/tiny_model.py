@@ -39,8 +39,9 @@ def build_tiny_model(path: str, architecture: str = "qwen3", seed: int = 0, with
     tokenizer = build_tokenizer(shape.pop("vocab_size", 512)) if with_tokenizer else None
     vocab = len(tokenizer) if tokenizer else shape.pop("vocab_size", 512)
     eos = tokenizer.eos_token_id if tokenizer else vocab - 1
+    tied = shape.pop("tie_word_embeddings", False)
     config = config_class(**{**TINY_SHAPE, **shape}, vocab_size=vocab, eos_token_id=eos, bos_token_id=None,
-                          tie_word_embeddings=False)
+                          tie_word_embeddings=tied)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config).to(getattr(torch, dtype))
     model.save_pretrained(path, safe_serialization=True)

@@ -77,6 +77,7 @@ class BlockManager:
             BlockLocation.GPU: BlockPool(num_gpu_blocks, block_size, enable_prefix_caching),
             BlockLocation.CPU: BlockPool(num_cpu_blocks, cpu_block_size, enable_prefix_caching),
         }
+        self.num_prefix_hit_tokens = 0  # prompt tokens served from cached blocks instead of computed
 
     def pool(self, location: BlockLocation) -> BlockPool:
         return self.pools[location]
@@ -107,6 +108,7 @@ class BlockManager:
         seq.block_table = table
         seq.num_hashed_blocks = hits
         seq.num_computed_tokens = hits * pool.block_size
+        self.num_prefix_hit_tokens += seq.num_computed_tokens
 
     def deallocate(self, seq: Sequence) -> None:
         pool = self.pools[seq.location]

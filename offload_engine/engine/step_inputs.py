@@ -49,7 +49,8 @@ class StepInputBuilder:
             own = slots_for(seq.block_table, self.block_sizes[seq.location], start, end)
             for tier in BlockLocation:
                 slots[tier].append(own if tier == seq.location else np.full(end - start, -1, dtype=np.int64))
-        meta = self._metadata(seqs, is_prefill=True, slots={t: np.concatenate(s) for t, s in slots.items()},
+        slots = {tier: np.concatenate(parts) for tier, parts in slots.items()}
+        meta = self._metadata(seqs, is_prefill=True, slots=slots,
                               context_lens=[s.num_computed_tokens + s.num_scheduled_tokens for s in seqs])
         meta.cu_seqlens_q = self.to_device(cu_seqlens, torch.int32)
         meta.max_seqlen_q = max(s.num_scheduled_tokens for s in seqs)

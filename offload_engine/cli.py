@@ -1,0 +1,60 @@
+"""The `offload-engine` command: `demo` (the embedded tiny model) and `generate` (a real model directory)."""
+import argparse
+import json
+
+from offload_engine.config import KV_PLACEMENTS
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="offload-engine", description=__doc__)
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    demo = commands.add_parser("demo", help="run a batch of long prompts on the embedded tiny model")
+    demo.add_argument("--requests", type=int, default=16)
+    demo.add_argument("--prompt-len", type=int, default=1024)
+    demo.add_argument("--max-tokens", type=int, default=64)
+    demo.add_argument("--device", default=None)
+
+    gen = commands.add_parser("generate", help="generate text with a Hugging Face model directory")
+    gen.add_argument("--model", required=True, help="directory with config.json, *.safetensors and a tokenizer")
+    gen.add_argument("--prompt", action="append", required=True, help="repeat for several prompts")
+    gen.add_argument("--max-tokens", type=int, default=64)
+    gen.add_argument("--temperature", type=float, default=0.0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--top-k", type=int, default=-1)
+    gen.add_argument("--seed", type=int, default=None)
+    gen.add_argument("--kv-placement", choices=KV_PLACEMENTS, default="auto")
+    gen.add_argument("--device", default=None)
+    gen.add_argument("--dtype", default="auto")
+    gen.add_argument("--max-model-len", type=int, default=None)
+    gen.add_argument("--num-gpu-blocks", type=int, default=None)
+    gen.add_argument("--cpu-kv-cache-gb", type=float, default=None)
+    gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
+
+    args = parser.parse_args(argv)
+    if args.command == "demo":
+        from offload_engine.demo import run_demo
+
+        run_demo(args.requests, args.prompt_len, args.max_tokens, args.device)
+    else:
+        _generate(args)
+
+
+def _generate(args) -> None:
+    from offload_engine import LLM, SamplingParams
+
+    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_placement=args.kv_placement,
+              max_model_len=args.max_model_len, num_gpu_blocks=args.num_gpu_blocks,
+              cpu_kv_cache_gb=args.cpu_kv_cache_gb)
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                            max_tokens=args.max_tokens, seed=args.seed)
+    for output in llm.generate(args.prompt, params):
+        if args.json:
+            print(json.dumps(vars(output)))
+        else:
+            print(f"--- {output.prompt!r} [{output.finish_reason}, KV on {output.kv_location}]\n{output.text}")
+    llm.close()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,49 @@
+"""The runner's AttentionMetadata is exactly DESIGN.md's table: one set of maps per tier, the other masked."""
+import torch
+
+from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.engine.step_inputs import StepInputBuilder
+from offload_engine.sampling_params import SamplingParams
+
+
+def _placed(num_tokens, location, block_table, computed):
+    seq = Sequence(list(range(1, num_tokens + 1)), SamplingParams(), budget=num_tokens + 8)
+    seq.location, seq.block_table, seq.num_computed_tokens = location, block_table, computed
+    seq.num_scheduled_tokens = num_tokens - computed
+    return seq
+
+
+def test_decode_maps_mask_the_other_tier():
+    builder = StepInputBuilder(torch.device("cpu"), block_size=4, cpu_block_size=8)
+    gpu_seq = _placed(6, BlockLocation.GPU, [5, 2], computed=5)  # newest token at position 5
+    cpu_seq = _placed(9, BlockLocation.CPU, [7, 3], computed=8)  # newest token at position 8
+    meta = builder.decode([gpu_seq, cpu_seq]).meta
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, -1]
+    assert meta.slot_mapping_cpu.tolist() == [-1, 3 * 8 + 0]
+    assert meta.context_lens.tolist() == [6, 0]
+    assert meta.context_lens_cpu.tolist() == [0, 9]
+    assert meta.block_tables.tolist() == [[5, 2], [-1, -1]]
+    assert meta.block_tables_cpu.tolist() == [[-1, -1], [7, 3]]
+    assert meta.context_lens.dtype == meta.block_tables.dtype == meta.block_tables_cpu.dtype == torch.int32
+    assert meta.has_gpu_rows and meta.has_cpu_rows and not meta.is_prefill
+
+
+def test_prefill_maps_and_prefix_staging_for_host_rows():
+    builder = StepInputBuilder(torch.device("cpu"), block_size=4, cpu_block_size=4)
+    gpu_seq = _placed(3, BlockLocation.GPU, [9], computed=0)
+    cpu_seq = _placed(7, BlockLocation.CPU, [6, 1], computed=5)  # prefix 0..4 cached, chunk = positions 5, 6
+    step = builder.prefill([gpu_seq, cpu_seq])
+    meta = step.meta
+    assert step.positions.tolist() == [0, 1, 2, 5, 6]
+    assert step.sample_rows.tolist() == [2, 4]
+    assert meta.cu_seqlens_q.tolist() == [0, 3, 5] and meta.max_seqlen_q == 3
+    assert meta.slot_mapping.tolist() == [36, 37, 38, -1, -1]
+    assert meta.slot_mapping_cpu.tolist() == [-1, -1, -1, 1 * 4 + 1, 1 * 4 + 2]
+    assert meta.context_lens.tolist() == [3, 0] and meta.context_lens_cpu.tolist() == [0, 7]
+    staging = meta.staging
+    # Both host blocks hold prefix tokens, so both are staged, in order, as staging blocks 0 and 1.
+    assert staging.source_blocks.tolist() == [6, 1] and staging.num_blocks == 2
+    assert staging.block_tables.tolist() == [[-1, -1], [0, 1]]
+    assert staging.slot_mapping.tolist() == [-1, -1, -1, 5, 6]
+    assert staging.context_lens.tolist() == [0, 7]
+    assert staging.host_token_indices.tolist() == [3, 4] and staging.host_token_slots.tolist() == [5, 6]
