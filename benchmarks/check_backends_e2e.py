@@ -5,6 +5,7 @@ sequence, counting agreement only up to the first step where the torch path's to
 Also runs the same prompts with kv_placement "cpu" and "auto" (a small device pool) to cover the host tier.
 """
 import argparse
+import gc
 import json
 
 import torch
@@ -16,7 +17,7 @@ CLEAR_MARGIN = 0.05  # logits of random weights are close; below this gap bf16 r
 
 
 def first_logits_and_tokens(path: str, prompts, max_tokens: int, **kwargs):
-    llm = LLM(path, max_model_len=4096, **kwargs)
+    llm = LLM(path, max_model_len=4096, gpu_memory_utilization=0.3, **kwargs)
     captured = []
     compute_logits = llm.engine.runner.model.compute_logits
 
@@ -29,7 +30,8 @@ def first_logits_and_tokens(path: str, prompts, max_tokens: int, **kwargs):
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True), use_tqdm=False)
     summary = llm.kv_cache_summary
     llm.close()
-    del llm
+    del llm, capture, compute_logits
+    gc.collect()  # the capture closure and the model reference each other
     torch.cuda.empty_cache()
     return captured, [o.token_ids for o in outputs], [o.kv_location for o in outputs], summary
 

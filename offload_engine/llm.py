@@ -76,7 +76,8 @@ class LLM:
             while self.engine.has_work():
                 stats = self.engine.step()
                 rates["prefill" if stats.is_prefill else "decode"] = stats.num_tokens / max(stats.seconds, 1e-9)
-                bar.set_postfix_str(f"prefill {rates['prefill']:.0f} tok/s, decode {rates['decode']:.0f} tok/s")
+                bar.set_postfix_str(f"prefill {rates['prefill']:.0f} tok/s, decode {rates['decode']:.0f} tok/s",
+                                    refresh=False)  # redrawn at tqdm's own pace, not every step
                 bar.update(len(stats.finished))
         finally:
             bar.close()

@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
+# Usage: bash benchmarks/run_on_device.sh STAGE   (stages: check, bench)
+set -u
+export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+OUT="${OUT:-benchmarks/results}"
+mkdir -p "$OUT"
+step() {  # step NAME SECONDS CMD...: runs one step under a time limit, logging to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  echo "=== $name ($(date +%T))"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1; echo "--- $name exit $?"
+  tail -n 25 "$OUT/$name.log"
+}
+case "${1:-check}" in
+  check)
+    { nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv; nproc; free -g | head -2
+      python3 -c "import torch, triton, numba, transformers; print(torch.__version__, triton.__version__, numba.__version__, transformers.__version__)"
+      lscpu | grep -E "Model name|Flags" | cut -c1-200; } > "$OUT/env.txt" 2>&1; cat "$OUT/env.txt"
+    step kernels 200 python3 benchmarks/check_gpu_kernels.py --out "$OUT/gpu_kernel_check.json"
+    step throughput 240 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --num-seqs 64 --prompt-len 512 \
+      --output-len 128 --kv-placement gpu --out "$OUT/throughput_qwen3-0.6b_b64.json"
+    step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
+    ;;
+  e2e)
+    step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
+    step profile_gpu 100 python3 benchmarks/profile_step.py --kv-placement gpu
+    step profile_cpu 100 python3 benchmarks/profile_step.py --kv-placement cpu
+    ;;
+  gpu-bench)
+    step gpu_attention 300 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"
+    ;;
+  cpu-bench)
+    step cpu_attention 400 python3 benchmarks/bench_cpu_attention.py --out-dir "$OUT"
+    ;;
+esac

@@ -1,0 +1,11 @@
+"""Triton GPU kernels for the GPU KV tier (token-major `[num_blocks, block_size, Hkv, D]` caches).
+
+Each function follows the shared attention contract in DESIGN.md ("Kernel contracts") and stays launchable
+inside a CUDA graph: grids and tile choices depend on shapes only, never on tensor values.
+"""
+from .merge_attn_states import merge_attn_states
+from .paged_decode import paged_decode_attention
+from .paged_prefill import paged_prefill_attention
+from .store_kvcache import store_kvcache
+
+__all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "merge_attn_states"]

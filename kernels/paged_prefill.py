@@ -1,0 +1,153 @@
+"""paged_prefill_attention: causal varlen attention of a prefill chunk over its paged KV (cached prefix + chunk).
+
+Layout: k_cache/v_cache token-major `[num_blocks, block_size, Hkv, D]`; block_tables int32 `[B, max_blocks]`
+padded with -1. q `[T, Hq, D]` packs every sequence's chunk; cu_seqlens_q int32 `[B+1]` delimits them.
+context_lens int32 `[B]` counts sequence b's tokens in the cache *including* this chunk (its K/V were stored
+before the call), so query i of sequence b sits at position context_lens[b] - q_len_b + i and sees keys
+0..that position. max_seqlen_q (a Python int) only bounds the grid; rows with q_len 0 are allowed.
+Returns out `[T, Hq, D]` in q's dtype and lse float32 `[T, Hq]` (natural log).
+
+Flash-attention tiling: one program per (BLOCK_M queries, query head, sequence), online softmax over
+BLOCK_N-key tiles gathered through the block table. Key tiles wholly below the tile's causal diagonal run
+without the causal mask; tiles past the last query's position are never visited. Prefill is compute-bound,
+so query heads of one kv head are separate programs and share K/V through L2 (adjacent program ids).
+"""
+import torch
+import triton
+import triton.language as tl
+
+from ._common import check_int_tensor, check_paged_cache, check_queries, dot, ieee_dot, exp2_scale
+from ._common import interpreted, padded_head_dim
+
+_LN2 = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def _attend_key_tiles(
+    acc, m, l, q, positions, lo, hi, table, k_base, v_base,
+    stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, qk_scale,
+    HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, CAUSAL: tl.constexpr,
+):
+    """Online-softmax update of (acc, m, l) with keys lo..hi-1; CAUSAL masks keys past each query's position."""
+    dims = tl.arange(0, BLOCK_D)
+    for tile in range(lo, hi, BLOCK_N):
+        toks = tile + tl.arange(0, BLOCK_N)
+        valid = toks < hi
+        block = tl.load(table + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        offset = toks % BLOCK_SIZE
+        kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_base + (block * stride_k_block + offset * stride_k_tok)[:, None] + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        scores = dot(q, tl.trans(k), IEEE, UPCAST) * qk_scale
+        if CAUSAL:
+            scores = tl.where(toks[None, :] <= positions[:, None], scores, float("-inf"))
+        else:
+            scores = tl.where(valid[None, :], scores, float("-inf"))
+        m_new = tl.maximum(m, tl.max(scores, axis=1))
+        # A row can be fully masked in a tile before it has seen any key; keep exp2 away from -inf - -inf.
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m - m_safe)
+        p = tl.exp2(scores - m_safe[:, None])
+        l = l * alpha + tl.sum(p, axis=1)
+        v = tl.load(v_base + (block * stride_v_block + offset * stride_v_tok)[:, None] + dims[None, :],
+                    mask=kv_mask, other=0.0)
+        acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, UPCAST)
+        m = m_new
+    return acc, m, l
+
+
+@triton.jit
+def _prefill_kernel(
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr, lse_ptr, qk_scale,
+    stride_q_t, stride_q_h, stride_k_block, stride_k_tok, stride_k_head,
+    stride_v_block, stride_v_tok, stride_v_head, stride_table_b,
+    stride_out_t, stride_out_h, stride_lse_t, stride_lse_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+):
+    # Reversed: the longest causal rows (last query tiles) start first, so the short ones fill the tail.
+    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+    head = tl.program_id(1)
+    seq = tl.program_id(2).to(tl.int64)
+    q_start = tl.load(cu_seqlens_ptr + seq)
+    q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
+    if m_block * BLOCK_M >= q_len:  # the grid covers max_seqlen_q; shorter chunks end early
+        return
+    context = tl.load(context_lens_ptr + seq)
+    rows = m_block * BLOCK_M + tl.arange(0, BLOCK_M)
+    dims = tl.arange(0, BLOCK_D)
+    row_mask = rows < q_len
+    io_mask = row_mask[:, None] & (dims[None, :] < HEAD_DIM)
+    tokens = (q_start + rows).to(tl.int64)
+    q = tl.load(q_ptr + tokens[:, None] * stride_q_t + head * stride_q_h + dims[None, :], mask=io_mask, other=0.0)
+    positions = context - q_len + rows
+
+    first = context - q_len + m_block * BLOCK_M  # position of the tile's first query
+    unmasked_end = (first + 1) // BLOCK_N * BLOCK_N  # keys every query of the tile sees
+    end = tl.minimum(context, first + BLOCK_M)  # one past the last query's position
+    kv_head = head // GROUP
+    table = block_tables_ptr + seq * stride_table_b
+    k_base = k_ptr + kv_head * stride_k_head
+    v_base = v_ptr + kv_head * stride_v_head
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l = tl.zeros([BLOCK_M], tl.float32)
+    acc, m, l = _attend_key_tiles(acc, m, l, q, positions, 0, unmasked_end, table, k_base, v_base,
+                                  stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, qk_scale,
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, IEEE, UPCAST, False)
+    acc, m, l = _attend_key_tiles(acc, m, l, q, positions, unmasked_end, end, table, k_base, v_base,
+                                  stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, qk_scale,
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, IEEE, UPCAST, True)
+
+    nonempty = l > 0
+    safe_l = tl.where(nonempty, l, 1.0)
+    out = acc / safe_l[:, None]
+    lse = tl.where(nonempty, (m + tl.log2(safe_l)) * _LN2, float("-inf"))
+    tl.store(out_ptr + tokens[:, None] * stride_out_t + head * stride_out_h + dims[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=io_mask)
+    tl.store(lse_ptr + tokens * stride_lse_t + head * stride_lse_h, lse, mask=row_mask)
+
+
+def _tile_config(q: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100-class GPUs; small tiles under the interpreter."""
+    if q.device.type != "cuda":
+        return 16, 16, 4, 1  # tests then cross query tiles, key tiles and pages with tiny shapes
+    if q.dtype == torch.float32:  # ieee fp32 dots run on the FMA units and need twice the registers
+        return (64, 32, 4, 2) if head_dim <= 128 else (32, 16, 4, 2)
+    if head_dim <= 64:
+        return 128, 64, 4, 3
+    if head_dim <= 128:
+        return 128, 64, 8, 3
+    return 64, 32, 4, 2
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q):
+    """Causal prefill attention over paged KV; returns (out [T, Hq, D] in q's dtype, lse float32 [T, Hq])."""
+    block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
+    group = check_queries(q, k_cache, num_kv_heads, head_dim)
+    num_tokens, num_q_heads, _ = q.shape
+    batch = context_lens.shape[0] if context_lens.dim() == 1 else -1
+    check_int_tensor("context_lens", context_lens, (batch,))
+    check_int_tensor("cu_seqlens_q", cu_seqlens_q, (batch + 1,))
+    check_int_tensor("block_tables", block_tables, (batch, block_tables.shape[-1]))
+    if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
+        raise ValueError(f"max_seqlen_q must be a non-negative Python int, got {max_seqlen_q!r}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
+    if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
+        return out, lse
+    q = q if q.stride(-1) == 1 else q.contiguous()
+    block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
+    block_m, block_n, num_warps, num_stages = _tile_config(q, head_dim)
+    grid = (triton.cdiv(max_seqlen_q, block_m), num_q_heads, batch)
+    _prefill_kernel[grid](
+        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, lse, exp2_scale(scale),
+        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+        BLOCK_D=padded_head_dim(head_dim), IEEE=ieee_dot(q.dtype), UPCAST=interpreted(q.device),
+        num_warps=num_warps, num_stages=num_stages,
+    )
+    return out, lse

@@ -1,0 +1,82 @@
+"""paged_prefill_attention matches causal float64 attention of each chunk over its cached prefix + itself."""
+import pytest
+import torch
+
+from kernels import paged_prefill_attention
+from tests.reference import attention_reference, random_paged_kv, relative_error
+
+TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
+
+
+def check_prefill(context_lens, query_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0,
+                  max_seqlen_q=None, strided_q=False):
+    """context_lens[b] counts cached tokens including the chunk; the chunk is the last query_lens[b] of them."""
+    k_cache, v_cache, block_tables, keys, values = random_paged_kv(
+        context_lens, num_kv_heads, head_dim, block_size, dtype, layout="token_major", seed=seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    num_tokens = sum(query_lens)
+    q = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = q[:, :num_q_heads] if strided_q else q[:, :num_q_heads].contiguous()
+    cu_seqlens = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    scale = head_dim ** -0.5
+    out, lse = paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens,
+                                       torch.tensor(context_lens, dtype=torch.int32), scale,
+                                       max_seqlen_q if max_seqlen_q is not None else max(query_lens))
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (num_tokens, num_q_heads)
+    for b, (context, q_len) in enumerate(zip(context_lens, query_lens)):
+        rows = slice(cu_seqlens[b].item(), cu_seqlens[b + 1].item())
+        if q_len == 0:
+            continue
+        ref_out, ref_lse = attention_reference(q[rows], keys[b], values[b], scale,
+                                               first_query_position=context - q_len)
+        assert relative_error(out[rows], ref_out) < TOLERANCE[dtype], f"sequence {b}"
+        assert (lse[rows].double() - ref_lse).abs().max().item() < LSE_TOLERANCE[dtype], f"sequence {b}"
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(2, 2), (4, 2), (8, 2), (8, 1)])
+def test_chunks_after_cached_prefixes_gqa(num_q_heads, num_kv_heads):
+    # A chunk after a prefix, a whole-sequence prefill, a single query, and rows with no queries at all.
+    check_prefill([70, 21, 33, 17, 0], [40, 21, 1, 0, 0], num_q_heads, num_kv_heads, 64, 8, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))
+def test_dtypes_head_dim_128(dtype):
+    check_prefill([48, 16], [20, 16], 4, 2, 128, 16, dtype, seed=1)
+
+
+@pytest.mark.parametrize("block_size", (4, 32))
+def test_odd_head_dim_and_page_sizes(block_size):
+    # Pages smaller and larger than the key tile; D = 24 pads to a 32-wide tile.
+    check_prefill([45, 31], [17, 31], 4, 2, 24, block_size, torch.bfloat16, seed=2, strided_q=True)
+
+
+def test_single_query_rows_and_a_loose_grid_bound():
+    # max_seqlen_q above every chunk: the extra query tiles must exit without writing.
+    check_prefill([1, 16, 17, 40], [1, 1, 1, 1], 4, 4, 32, 16, torch.float16, seed=3, max_seqlen_q=40)
+
+
+def test_chunk_ending_on_a_tile_boundary():
+    # Chunk starts right after a 32-token prefix: the first query tile's unmasked range ends on a tile edge.
+    check_prefill([64, 15], [32, 15], 2, 1, 64, 16, torch.float32, seed=4)
+
+
+def test_no_queries_at_all():
+    k_cache, v_cache, block_tables, _, _ = random_paged_kv([5, 3], 1, 16, 4, torch.float32, layout="token_major")
+    out, lse = paged_prefill_attention(torch.randn(0, 2, 16), k_cache, v_cache, block_tables,
+                                       torch.zeros(3, dtype=torch.int32), torch.tensor([5, 3], dtype=torch.int32),
+                                       0.25, 0)
+    assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
+
+
+def test_bad_inputs_raise_value_error():
+    k_cache, v_cache, block_tables, _, _ = random_paged_kv([5], 2, 16, 4, torch.float32, layout="token_major")
+    q = torch.randn(5, 4, 16)
+    cu = torch.tensor([0, 5], dtype=torch.int32)
+    context_lens = torch.tensor([5], dtype=torch.int32)
+    with pytest.raises(ValueError, match="cu_seqlens_q"):
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, cu.long(), context_lens, 0.25, 5)
+    with pytest.raises(ValueError, match="max_seqlen_q"):
+        paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, 0.25, torch.tensor(5))
+    with pytest.raises(ValueError, match="multiple"):
+        paged_prefill_attention(q[:, :3], k_cache, v_cache, block_tables, cu, context_lens, 0.25, 5)
