@@ -49,7 +49,7 @@ def main() -> None:
     for name, kwargs in {
         "triton/gpu": dict(attention_backend="triton", kv_placement="gpu"),
         "triton/cpu": dict(attention_backend="triton", kv_placement="cpu", cpu_kv_cache_gb=4),
-        "triton/auto": dict(attention_backend="triton", kv_placement="auto", num_gpu_blocks=200, cpu_kv_cache_gb=4),
+        "triton/auto": dict(attention_backend="triton", kv_placement="auto", num_gpu_blocks=100, cpu_kv_cache_gb=4),
     }.items():
         logits, tokens, where, summary = first_logits_and_tokens(path, prompts, 16, **kwargs)
         rel = ((logits[0] - ref_logits[0]).norm() / ref_logits[0].norm()).item()

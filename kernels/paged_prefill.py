@@ -84,8 +84,10 @@ def _prefill_kernel(
     positions = context - q_len + rows
 
     first = context - q_len + m_block * BLOCK_M  # position of the tile's first query
-    unmasked_end = (first + 1) // BLOCK_N * BLOCK_N  # keys every query of the tile sees
-    end = tl.minimum(context, first + BLOCK_M)  # one past the last query's position
+    # Rows of the other KV tier arrive with context 0 (DESIGN.md's masked dual maps): their positions are
+    # negative, they see no key, and the clamps keep both loops from walking a -1 block table.
+    unmasked_end = tl.maximum((first + 1) // BLOCK_N * BLOCK_N, 0)  # keys every query of the tile sees
+    end = tl.maximum(tl.minimum(context, first + BLOCK_M), 0)  # one past the last query's position
     kv_head = head // GROUP
     table = block_tables_ptr + seq * stride_table_b
     k_base = k_ptr + kv_head * stride_k_head

@@ -23,7 +23,7 @@ def attention_reference(q, k, v, scale, first_query_position=None):
     lse = torch.full((num_q, num_q_heads), -math.inf, dtype=torch.float64)
     for i in range(num_q):
         visible = k.shape[0] if first_query_position is None else min(first_query_position + i + 1, k.shape[0])
-        if visible == 0:
+        if visible <= 0:  # a query before position 0 (a masked row of the other tier) sees nothing
             continue
         for h in range(num_q_heads):
             scores = (k[:visible, h // group] @ q[i, h]) * scale

@@ -30,6 +30,7 @@ class ModelRunner:
         self.device_pool = self.allocate_device_pool(self.num_gpu_blocks)
         self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
         self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
+        self.decode_graphs = self._capture_decode_graphs()
 
     # ---- pools -------------------------------------------------------------------------------------------
     def _block_bytes(self, block_size: int) -> int:
@@ -80,6 +81,15 @@ class ModelRunner:
             layer.k_cache_cpu, layer.v_cache_cpu = host_pool[i] if host_pool else (None, None)
             layer.backend, layer.executor = self.backend, getattr(self, "executor", None)
 
+    def _capture_decode_graphs(self):
+        if self.device.type != "cuda" or self.cfg.enforce_eager:
+            return None
+        from offload_engine.engine.cuda_graphs import DecodeGraphs
+
+        # Captured after both pools exist, from what gpu_memory_utilization left free.
+        return DecodeGraphs(self.model, self.cfg.max_num_seqs, self.model_cfg.num_heads, self.model_cfg.head_dim,
+                            self.dtype, self.device)
+
     def close(self) -> None:
         if self.executor is not None:
             self.executor.shutdown()
@@ -90,8 +100,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
         step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
-        hidden = self.model(step.token_ids, step.positions, step.meta)
-        logits = self.model.compute_logits(hidden[step.sample_rows])
+        if not is_prefill and self.decode_graphs is not None and self.decode_graphs.fits(len(seqs)):
+            logits = self.decode_graphs.run(step.token_ids, step.positions, step.meta)
+        else:
+            hidden = self.model(step.token_ids, step.positions, step.meta)
+            logits = self.model.compute_logits(hidden[step.sample_rows])
         for write in step.meta.pending_host_writes:
             write.result()  # the next step may stage these blocks back
         return sample(logits, self._sampling_batch(seqs), self.generator).tolist()

@@ -28,7 +28,8 @@ class LlamaSelfAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
 
-    def forward(self, positions: torch.Tensor, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor):
+        """hidden [T, hidden] -> q [T, Hq, D], k/v [T, Hkv, D], normalized (Qwen3) and rotated."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -37,8 +38,7 @@ class LlamaSelfAttention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary(positions, q, k)
-        out = self.attn(q, k, v, meta)
-        return self.o_proj(out.flatten(1))
+        return q, k, v
 
 
 class LlamaMLP(nn.Module):
@@ -61,12 +61,17 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, positions, hidden, residual, meta):
+    def pre_attention(self, positions, hidden, residual):
+        """Norm (adding the residual) and q/k/v: everything of the layer before attention."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(positions, hidden, meta)
+        return (*self.self_attn.project_qkv(positions, hidden), residual)
+
+    def post_attention(self, attn_out, residual):
+        """o_proj, norm (adding the residual) and MLP: everything of the layer after attention."""
+        hidden = self.self_attn.o_proj(attn_out.flatten(1))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
 
@@ -82,11 +87,30 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, token_ids, positions, meta):
-        hidden, residual = self.embed_tokens(token_ids), None
-        for layer in self.layers:
-            hidden, residual = layer(positions, hidden, residual, meta)
+    # The forward pass in segments that meet only at attention: `begin`, then `between` each pair of layers,
+    # then `end`. Eagerly they simply run in turn; the decode CUDA graphs capture each segment and run
+    # attention, which may cross to the host tier, between the replays (engine/cuda_graphs.py).
+    def begin(self, token_ids, positions):
+        return self.layers[0].pre_attention(positions, self.embed_tokens(token_ids), None)
+
+    def between(self, layer: int, positions, attn_out, residual):
+        hidden, residual = self.layers[layer - 1].post_attention(attn_out, residual)
+        return self.layers[layer].pre_attention(positions, hidden, residual)
+
+    def end(self, attn_out, residual):
+        hidden, residual = self.layers[-1].post_attention(attn_out, residual)
         return self.norm(hidden, residual)[0]
+
+    def attend(self, layer: int, q, k, v, meta):
+        return self.layers[layer].self_attn.attn(q, k, v, meta)
+
+    def forward(self, token_ids, positions, meta):
+        q, k, v, residual = self.begin(token_ids, positions)
+        for layer in range(len(self.layers)):
+            attn_out = self.attend(layer, q, k, v, meta)
+            if layer + 1 < len(self.layers):
+                q, k, v, residual = self.between(layer + 1, positions, attn_out, residual)
+        return self.end(attn_out, residual)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -80,3 +80,24 @@ def test_bad_inputs_raise_value_error():
         paged_prefill_attention(q, k_cache, v_cache, block_tables, cu, context_lens, 0.25, torch.tensor(5))
     with pytest.raises(ValueError, match="multiple"):
         paged_prefill_attention(q[:, :3], k_cache, v_cache, block_tables, cu, context_lens, 0.25, 5)
+
+
+def test_rows_of_the_other_tier_come_back_empty():
+    """The dual maps give the other tier's rows context 0 with queries present: out 0, lse -inf, and the
+    -1 block-table rows are never walked (the cache has no spare blocks to hide a stray read)."""
+    torch.manual_seed(0)
+    k_cache, v_cache = torch.randn(5, 16, 2, 16), torch.randn(5, 16, 2, 16)
+    tables = torch.tensor([[-1] * 4] * 3 + [[0, 1, 2, 3], [4, -1, -1, -1]], dtype=torch.int32)
+    query_lens, context_lens = [1, 17, 40, 64, 16], [0, 0, 0, 64, 16]
+    cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
+    q = torch.randn(sum(query_lens), 4, 16)
+    out, lse = paged_prefill_attention(q, k_cache, v_cache, tables, cu, torch.tensor(context_lens, dtype=torch.int32),
+                                       0.25, max(query_lens))
+    masked = slice(0, 58)
+    assert torch.equal(out[masked], torch.zeros_like(out[masked])) and torch.isneginf(lse[masked]).all()
+    keys = [k_cache[:4].flatten(0, 1), k_cache[4]]
+    values = [v_cache[:4].flatten(0, 1), v_cache[4]]
+    for rows, k, v in ((slice(58, 122), *[keys[0], values[0]]), (slice(122, 138), keys[1], values[1])):
+        ref_out, ref_lse = attention_reference(q[rows], k, v, 0.25, first_query_position=0)
+        assert relative_error(out[rows], ref_out) < 1e-4
+        assert (lse[rows].double() - ref_lse).abs().max().item() < 1e-4
