@@ -8,10 +8,14 @@ Attention stays outside the graphs because its host-tier half runs numba on a ho
 (context lengths, which tier each row is on) changes every step; everything else is the same kernels with
 the same shapes, replayed for a few microseconds each.
 
-Padding rows (a batch of 37 runs in the 48 bucket) compute on stale inputs and are never read: every op
-outside attention is row-wise in decode.
+When no row of the step is on the host tier, attention needs no host work, so a second, whole-step graph
+per bucket captures attention too (its maps live in static buffers sized for max_model_len). Padding rows
+(a batch of 37 runs in the 48 bucket) compute on stale inputs and are never read: every op outside attention
+is row-wise in decode, and padded rows get slot -1 and context 0, so they write and read no KV.
 """
 import torch
+
+from offload_engine.layers.attention_metadata import AttentionMetadata
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -21,7 +25,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, max_num_seqs: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, max_blocks_per_seq: int | None):
         self.model = model
         self.num_layers = len(model.model.layers)
         self.buckets = batch_buckets(max_num_seqs)
@@ -32,8 +36,19 @@ class DecodeGraphs:
         self.pool = None
         self.graphs: dict[int, list] = {}
         self.outputs: dict[int, list] = {}
+        self.whole: dict[int, tuple] = {}
+        self.device_maps = None
+        if max_blocks_per_seq is not None:
+            self.device_maps = AttentionMetadata(
+                is_prefill=False, has_gpu_rows=True, has_cpu_rows=False,
+                slot_mapping=torch.full((largest,), -1, dtype=torch.int64, device=device),
+                context_lens=torch.zeros(largest, dtype=torch.int32, device=device),
+                block_tables=torch.full((largest, max_blocks_per_seq), -1, dtype=torch.int32, device=device),
+                slot_mapping_cpu=torch.empty(0), context_lens_cpu=torch.empty(0), block_tables_cpu=torch.empty(0))
         for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
             self._capture(size)
+            if self.device_maps is not None:
+                self._capture_whole(size)
 
     def _segments(self, size: int):
         """The step's segments for one bucket, each a function of the previous segment's outputs."""
@@ -58,6 +73,23 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.graphs[size], self.outputs[size] = graphs, outputs
 
+    @torch.inference_mode()
+    def _capture_whole(self, size: int) -> None:
+        maps = self.device_maps
+        meta = AttentionMetadata(
+            is_prefill=False, has_gpu_rows=True, has_cpu_rows=False, slot_mapping=maps.slot_mapping[:size],
+            context_lens=maps.context_lens[:size], block_tables=maps.block_tables[:size],
+            slot_mapping_cpu=maps.slot_mapping_cpu, context_lens_cpu=maps.context_lens_cpu,
+            block_tables_cpu=maps.block_tables_cpu)
+        step = lambda: self.model.compute_logits(self.model(self.token_ids[:size], self.positions[:size], meta))
+        step()  # warm up (context 0 everywhere: no KV is read or written)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            logits = step()
+        self.pool = graph.pool()
+        torch.cuda.synchronize()
+        self.whole[size] = (graph, logits)
+
     def fits(self, batch: int) -> bool:
         return batch <= self.buckets[-1]
 
@@ -68,6 +100,8 @@ class DecodeGraphs:
         size = next(b for b in self.buckets if b >= batch)
         self.token_ids[:batch].copy_(token_ids)
         self.positions[:batch].copy_(positions)
+        if not meta.has_cpu_rows and size in self.whole:
+            return self._run_whole(size, batch, meta)
         graphs, outputs = self.graphs[size], self.outputs[size]
         for layer in range(self.num_layers):
             graphs[layer].replay()
@@ -75,3 +109,14 @@ class DecodeGraphs:
             self.attn_out[:batch].copy_(self.model.model.attend(layer, q[:batch], k[:batch], v[:batch], meta))
         graphs[-1].replay()
         return outputs[-1][:batch]
+
+    def _run_whole(self, size: int, batch: int, meta) -> torch.Tensor:
+        maps = self.device_maps
+        maps.slot_mapping.fill_(-1)
+        maps.slot_mapping[:batch].copy_(meta.slot_mapping)
+        maps.context_lens.zero_()
+        maps.context_lens[:batch].copy_(meta.context_lens)
+        maps.block_tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+        graph, logits = self.whole[size]
+        graph.replay()
+        return logits[:batch]

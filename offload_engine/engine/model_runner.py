@@ -86,9 +86,12 @@ class ModelRunner:
             return None
         from offload_engine.engine.cuda_graphs import DecodeGraphs
 
-        # Captured after both pools exist, from what gpu_memory_utilization left free.
+        # Captured after both pools exist, from what gpu_memory_utilization left free. Whole-step graphs need
+        # a graph-safe attention backend: the torch path gathers every table column, which at max_model_len
+        # would not fit.
+        whole_step = self.backend.name != "torch"
         return DecodeGraphs(self.model, self.cfg.max_num_seqs, self.model_cfg.num_heads, self.model_cfg.head_dim,
-                            self.dtype, self.device)
+                            self.dtype, self.device, -(-self.max_model_len // self.cfg.block_size) if whole_step else None)
 
     def close(self) -> None:
         if self.executor is not None:
