@@ -39,6 +39,14 @@ case "${1:-check}" in
     step gpu_attention 300 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"
     ;;
   cpu-bench)
-    step cpu_attention 400 python3 benchmarks/bench_cpu_attention.py --out-dir "$OUT"
+    step cpu_attention 300 python3 benchmarks/bench_cpu_attention.py --tag nvidia-h200-host \
+      --out "$OUT/cpu_attention_nvidia-h200-host.json"
+    ;;
+  tiers)  # the 0.6B engine run of issue 2 on each placement, at a device pool that holds ~1/3 of the batch
+    for placement in gpu auto cpu; do
+      step throughput_$placement 150 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --num-seqs 64 \
+        --prompt-len 512 --output-len 128 --kv-placement $placement --num-gpu-blocks 900 --cpu-kv-cache-gb 8 \
+        --max-model-len 4096 --out "$OUT/throughput_qwen3-0.6b_b64_900blocks_$placement.json"
+    done
     ;;
 esac

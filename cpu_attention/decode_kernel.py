@@ -1,0 +1,398 @@
+"""Numba kernel: paged decode attention over a head-major host KV cache.
+
+Memory layout: k_cache / v_cache are [num_blocks, Hkv, block_size, D]. One (block, kv head) is one contiguous
+run of block_size * D values, so a work item streams whole blocks front to back; software prefetch runs
+PREFETCH_ROWS rows ahead (into L2) across the jumps between blocks that the hardware prefetcher cannot see.
+
+Element types: float32 arrays are used as they are. numba has neither bfloat16 nor float16, so both arrive as
+16-bit patterns: bfloat16 as uint16, float16 as int16. The array's element type alone selects the widening to
+float32, so one kernel source serves the three dtypes; all arithmetic is float32.
+
+Contract: decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks, num_threads, out, lse)
+- q float32 [B, Hq, D], already multiplied by the softmax scale; Hq % Hkv == 0, query head h uses kv head
+  h // (Hq / Hkv);
+- block_tables int32 [B, max_blocks], -1 padded; entries past a context are never read;
+- context_lens int32 [B]; a zero-length row gives out 0 and lse -inf;
+- chunk_blocks: blocks per split (<= 0: plan_chunk_blocks); num_threads: numba's thread count of the caller
+  (numba.get_num_threads() inside the kernel would make it uncacheable);
+- out float32 [B, Hq, D] and lse float32 [B, Hq] (natural log of sum exp(score)) are written;
+- returns 0, or an ERRORS code before any KV is read.
+
+Work split: an item is (sequence, split, kv head); a split is chunk_blocks consecutive blocks of one sequence,
+so one long sequence still feeds every core (split-K). Each item runs an online softmax block by block: scores
+of the whole block first, then max/exp, then the V accumulation; the group's query heads share every K/V row
+they load (GQA). Workers take items from an atomic counter: numba's OpenMP layer schedules prange statically,
+and one core busy with the engine's main thread must not hold up the whole step. Partial results are merged
+per (sequence, query head) by log-sum-exp.
+
+Everything this kernel inlines lives in this file on purpose: numba's on-disk cache is keyed on the source
+file of the cached function alone, so a helper edited in another file would be served stale from the cache.
+"""
+import math
+
+import numpy as np
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.core import cgutils
+from numba.extending import intrinsic, overload
+
+# reassoc lets LLVM vectorize the dot-product and sum reductions, contract fuses multiply-adds. No nnan/ninf:
+# -inf is a real value here (empty rows, the running max before the first block).
+FASTMATH = {"reassoc", "contract", "nsz", "arcp"}
+CACHE_LINE_BYTES = 64
+PREFETCH_ROWS = 64  # K/V rows fetched ahead of use: ~30 KiB at D=128 bf16, more than DRAM latency x bandwidth
+ITEMS_PER_THREAD = 8  # enough items that the dynamic schedule ends evenly
+MIN_ITEM_TOKENS = 256  # below this, an item's cold start and its merge cost more than its parallelism gains
+ERRORS = {
+    1: "a context length is negative or longer than its block table row",
+    2: "a block table entry inside a context is outside the cache (negative or >= num_blocks)",
+}
+
+
+# ---- widening 16-bit patterns to float32 -------------------------------------------------------------------
+def widen(x):
+    """float32 value of one cache element (float32, bfloat16 pattern as uint16, float16 pattern as int16)."""
+    raise NotImplementedError  # numba-only: see the overload below
+
+
+@overload(widen, inline="always")
+def _widen_impl(x):
+    if x == types.float32:
+        return lambda x: x
+    if x == types.uint16:  # bfloat16 is the top half of a float32
+        return lambda x: np.uint32(np.uint32(x) << np.uint32(16)).view(np.float32)
+    if x == types.int16:
+        return lambda x: _half_to_float(np.uint32(np.uint16(x)))
+    return None
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _half_to_float(h):
+    """float16 bits -> float32 with integer masks only (no per-element branch), so the loop vectorizes.
+
+    Normals rebias the exponent (15 -> 127) and move the mantissa up 13 bits; inf/nan keep an all-ones
+    exponent; zero and subnormals are m * 2**-24, exact in float32 and a normal float32 (immune to
+    flush-to-zero modes).
+    """
+    sign = (h & np.uint32(0x8000)) << np.uint32(16)
+    exponent = (h >> np.uint32(10)) & np.uint32(0x1F)
+    mantissa = h & np.uint32(0x3FF)
+    normal = ((exponent + np.uint32(112)) << np.uint32(23)) | (mantissa << np.uint32(13))
+    special = np.uint32(0x7F800000) | (mantissa << np.uint32(13))
+    small = np.float32(np.float32(mantissa) * np.float32(5.9604644775390625e-08)).view(np.uint32)
+    special_mask = np.uint32(0) - np.uint32(exponent == np.uint32(31))
+    small_mask = np.uint32(0) - np.uint32(exponent == np.uint32(0))
+    bits = (normal & ~special_mask) | (special & special_mask)
+    bits = (bits & ~small_mask) | (small & small_mask)
+    return np.uint32(bits | sign).view(np.float32)
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _exp_nonpositive(x):
+    """exp(x) for x <= 0 (a score minus its running max), vectorizable; relative error ~2e-7.
+
+    libm's expf is a scalar call per score and costs as much as the dot product; this is 2**(x*log2 e) as a
+    power of two from the exponent bits times a degree-6 polynomial on [-0.5, 0.5]. Results below 2**-126
+    clamp to 2**-126, which no sum that contains its own maximum (exp(0) = 1) can notice.
+    """
+    t = max(x * np.float32(1.4426950408889634), np.float32(-126.0))
+    n = np.floor(t + np.float32(0.5))
+    f = t - n
+    p = np.float32(1.5353362e-4)
+    p = p * f + np.float32(1.3398874e-3)
+    p = p * f + np.float32(9.6181291e-3)
+    p = p * f + np.float32(5.5504109e-2)
+    p = p * f + np.float32(2.4022651e-1)
+    p = p * f + np.float32(6.9314718e-1)
+    p = p * f + np.float32(1.0)
+    return np.int32(np.float32(p).view(np.int32) + (np.int32(n) << np.int32(23))).view(np.float32)
+
+
+# ---- two LLVM instructions numba does not expose -----------------------------------------------------------
+@intrinsic
+def _prefetch(typingctx, arr, flat_index):
+    """Cache hint for arr.ravel()[flat_index] (read, into L2); never faults, so any index is safe."""
+    if not isinstance(arr, types.Array) or not isinstance(flat_index, types.Integer):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        index = context.cast(builder, args[1], signature.args[1], types.intp)
+        pointer = builder.bitcast(builder.gep(array.data, [index]), ir.IntType(8).as_pointer())
+        i32 = ir.IntType(32)
+        fnty = ir.FunctionType(ir.VoidType(), [ir.IntType(8).as_pointer(), i32, i32, i32])
+        fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0")
+        builder.call(fn, [pointer, i32(0), i32(2), i32(1)])  # locality 2: into L2, L1 stays for the block
+        return context.get_dummy_value()
+
+    return types.void(arr, flat_index), codegen
+
+
+@intrinsic
+def _take_ticket(typingctx, counter):
+    """Atomic counter[0] += 1, returning the old value: the work queue shared by the workers."""
+    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        one = context.get_constant(types.int64, 1)
+        return builder.atomic_rmw("add", array.data, one, "monotonic")
+
+    return types.int64(counter), codegen
+
+
+# ---- the split plan ----------------------------------------------------------------------------------------
+@njit(nogil=True, cache=True)
+def plan_chunk_blocks(context_lens, block_size, num_kv_heads, num_threads):
+    """Blocks per split: about ITEMS_PER_THREAD items per thread over all (sequence, head) pairs, and no
+    split shorter than MIN_ITEM_TOKENS (or one block)."""
+    total_blocks = 0
+    for b in range(context_lens.shape[0]):
+        total_blocks += (max(context_lens[b], 0) + block_size - 1) // block_size
+    target_items = max(num_threads, 1) * ITEMS_PER_THREAD
+    per_item = (total_blocks * num_kv_heads + target_items - 1) // target_items
+    min_blocks = (MIN_ITEM_TOKENS + block_size - 1) // block_size
+    return max(1, min_blocks, per_item)
+
+
+@njit(nogil=True, cache=True)
+def plan_split_offsets(context_lens, block_size, chunk_blocks):
+    """offsets[b]..offsets[b+1] are sequence b's splits (an empty sequence keeps one, empty, split)."""
+    offsets = np.zeros(context_lens.shape[0] + 1, np.int64)
+    for b in range(context_lens.shape[0]):
+        num_blocks = (context_lens[b] + block_size - 1) // block_size
+        offsets[b + 1] = offsets[b] + max(1, (num_blocks + chunk_blocks - 1) // chunk_blocks)
+    return offsets
+
+
+@njit(nogil=True, cache=True)
+def _check_tables(block_tables, context_lens, num_blocks, block_size):
+    for b in range(context_lens.shape[0]):
+        n = context_lens[b]
+        if n < 0 or n > block_tables.shape[1] * block_size:
+            return 1
+        for j in range((n + block_size - 1) // block_size):
+            if block_tables[b, j] < 0 or block_tables[b, j] >= num_blocks:
+                return 2
+    return 0
+
+
+# ---- one block: scores, softmax update, values --------------------------------------------------------------
+@njit(inline="always")
+def _prefetch_row(cache, row_start, step):
+    for c in range(0, cache.shape[3], step):
+        _prefetch(cache, row_start + c)
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block):
+    """scores[g, t] = q[h0 + g] . k[t] for the n valid rows of one K block, and block_max[g] = max_t scores.
+
+    Four query heads x four K rows per pass: every widened K element feeds four heads (the GQA group shares
+    the load) and every q element four rows, and the 16 sums' horizontal reductions overlap each other. The
+    max is taken here, one step per four rows, because a separate pass is a serial chain of compares.
+    """
+    block_max[:] = -np.inf
+    dim = kb.shape[1]
+    step = CACHE_LINE_BYTES // kb.itemsize
+    quads, n4 = group - group % 4, n - n % 4
+    for t in range(0, n4, 4):
+        for r in range(4):
+            _prefetch_row(k_cache, next_block + (t + r) * dim, step)
+        for g in range(0, quads, 4):
+            a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
+            c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = np.float32(0.0)
+            for d in range(dim):
+                x0, x1, x2, x3 = widen(kb[t, d]), widen(kb[t + 1, d]), widen(kb[t + 2, d]), widen(kb[t + 3, d])
+                q0, q1, q2, q3 = q[h0 + g, d], q[h0 + g + 1, d], q[h0 + g + 2, d], q[h0 + g + 3, d]
+                a0 += q0 * x0
+                a1 += q1 * x0
+                a2 += q2 * x0
+                a3 += q3 * x0
+                b0 += q0 * x1
+                b1 += q1 * x1
+                b2 += q2 * x1
+                b3 += q3 * x1
+                c0 += q0 * x2
+                c1 += q1 * x2
+                c2 += q2 * x2
+                c3 += q3 * x2
+                e0 += q0 * x3
+                e1 += q1 * x3
+                e2 += q2 * x3
+                e3 += q3 * x3
+            scores[g, t], scores[g + 1, t], scores[g + 2, t], scores[g + 3, t] = a0, a1, a2, a3
+            scores[g, t + 1], scores[g + 1, t + 1], scores[g + 2, t + 1], scores[g + 3, t + 1] = b0, b1, b2, b3
+            scores[g, t + 2], scores[g + 1, t + 2], scores[g + 2, t + 2], scores[g + 3, t + 2] = c0, c1, c2, c3
+            scores[g, t + 3], scores[g + 1, t + 3], scores[g + 2, t + 3], scores[g + 3, t + 3] = e0, e1, e2, e3
+            block_max[g] = max(block_max[g], max(max(a0, b0), max(c0, e0)))
+            block_max[g + 1] = max(block_max[g + 1], max(max(a1, b1), max(c1, e1)))
+            block_max[g + 2] = max(block_max[g + 2], max(max(a2, b2), max(c2, e2)))
+            block_max[g + 3] = max(block_max[g + 3], max(max(a3, b3), max(c3, e3)))
+        for g in range(quads, group):
+            for r in range(4):
+                scores[g, t + r] = _dot(q, h0 + g, kb, t + r)
+                block_max[g] = max(block_max[g], scores[g, t + r])
+    for t in range(n4, n):
+        _prefetch_row(k_cache, next_block + t * dim, step)
+        for g in range(group):
+            scores[g, t] = _dot(q, h0 + g, kb, t)
+            block_max[g] = max(block_max[g], scores[g, t])
+
+
+@njit(inline="always", fastmath=FASTMATH)
+def _dot(q, head, kb, t):
+    s = np.float32(0.0)
+    for d in range(kb.shape[1]):
+        s += q[head, d] * widen(kb[t, d])
+    return s
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _softmax_update(scores, n, block_maxes, running_max, running_sum, acc):
+    """Turns the block's scores into exp(score - new max) in place; rescales the history only when the max
+    moved (exp(-inf) = 0 on the first block)."""
+    for g in range(scores.shape[0]):
+        block_max = max(running_max[g], block_maxes[g])
+        total = np.float32(0.0)
+        for t in range(n):
+            p = _exp_nonpositive(scores[g, t] - block_max)
+            scores[g, t] = p
+            total += p
+        if block_max > running_max[g]:
+            alpha = np.float32(math.exp(running_max[g] - block_max))
+            running_sum[g] *= alpha
+            for d in range(acc.shape[1]):
+                acc[g, d] *= alpha
+            running_max[g] = block_max
+        running_sum[g] += total
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _block_values(vb, n, scores, acc, v_cache, next_block):
+    """acc[g] += sum_t p[g, t] * v[t]: four query heads x four rows per pass, so each accumulator row is
+    loaded and stored once per four V rows instead of once per row."""
+    group, dim = acc.shape
+    step = CACHE_LINE_BYTES // vb.itemsize
+    quads, n4 = group - group % 4, n - n % 4
+    for t in range(0, n4, 4):
+        for r in range(4):
+            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
+        for g in range(0, quads, 4):
+            a0, a1, a2, a3 = scores[g, t], scores[g + 1, t], scores[g + 2, t], scores[g + 3, t]
+            b0, b1, b2, b3 = scores[g, t + 1], scores[g + 1, t + 1], scores[g + 2, t + 1], scores[g + 3, t + 1]
+            c0, c1, c2, c3 = scores[g, t + 2], scores[g + 1, t + 2], scores[g + 2, t + 2], scores[g + 3, t + 2]
+            e0, e1, e2, e3 = scores[g, t + 3], scores[g + 1, t + 3], scores[g + 2, t + 3], scores[g + 3, t + 3]
+            for d in range(dim):
+                x0, x1, x2, x3 = widen(vb[t, d]), widen(vb[t + 1, d]), widen(vb[t + 2, d]), widen(vb[t + 3, d])
+                acc[g, d] += a0 * x0 + b0 * x1 + c0 * x2 + e0 * x3
+                acc[g + 1, d] += a1 * x0 + b1 * x1 + c1 * x2 + e1 * x3
+                acc[g + 2, d] += a2 * x0 + b2 * x1 + c2 * x2 + e2 * x3
+                acc[g + 3, d] += a3 * x0 + b3 * x1 + c3 * x2 + e3 * x3
+        for g in range(quads, group):
+            a, b, c, e = scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3]
+            for d in range(dim):
+                acc[g, d] += a * widen(vb[t, d]) + b * widen(vb[t + 1, d]) + c * widen(vb[t + 2, d]) \
+                    + e * widen(vb[t + 3, d])
+    for t in range(n4, n):
+        _prefetch_row(v_cache, next_block + t * dim, step)
+        for g in range(group):
+            p = scores[g, t]
+            for d in range(dim):
+                acc[g, d] += p * widen(vb[t, d])
+
+
+# ---- one work item and the merge ---------------------------------------------------------------------------
+@njit(nogil=True, fastmath=FASTMATH)
+def _attend_split(q, k_cache, v_cache, table_row, context_len, h, first, last, acc, running_max, running_sum,
+                  scores, block_max):
+    """Online softmax of one (sequence, kv head) over blocks first..last-1 of its table row."""
+    group, dim = acc.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    running_max[:] = -np.inf
+    running_sum[:] = 0.0
+    acc[:] = 0.0
+    # Software prefetch runs PREFETCH_ROWS rows ahead (whole blocks), the first stretch in one burst.
+    distance = (PREFETCH_ROWS + block_size - 1) // block_size
+    for j in range(first, min(first + distance, last)):
+        start = (table_row[j] * num_kv_heads + h) * block_size * dim
+        for c in range(0, block_size * dim, CACHE_LINE_BYTES // k_cache.itemsize):
+            _prefetch(k_cache, start + c)
+            _prefetch(v_cache, start + c)
+    for j in range(first, last):
+        block = table_row[j]
+        n = min(block_size, context_len - j * block_size)
+        ahead = table_row[j + distance] if j + distance < last else block
+        next_block = (ahead * num_kv_heads + h) * block_size * dim
+        _block_scores(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_block)
+        _softmax_update(scores, n, block_max, running_max, running_sum, acc)
+        _block_values(v_cache[block, h], n, scores, acc, v_cache, next_block)
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _merge_splits(part_acc, part_max, part_sum, first, stop, stride, g, out_row):
+    """out_row = softmax-weighted merge of items range(first, stop, stride) for query head g; returns the lse."""
+    top = -np.inf
+    for i in range(first, stop, stride):
+        top = max(top, part_max[i, g])
+    out_row[:] = 0.0
+    if top == -np.inf:
+        return -np.inf
+    total = np.float32(0.0)
+    for i in range(first, stop, stride):
+        w = np.float32(math.exp(part_max[i, g] - top))
+        total += w * part_sum[i, g]
+        for d in range(out_row.shape[0]):
+            out_row[d] += w * part_acc[i, g, d]
+    inv = np.float32(1.0) / total
+    for d in range(out_row.shape[0]):
+        out_row[d] *= inv
+    return top + math.log(total)
+
+
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
+def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks, num_threads, out, lse):
+    batch, num_q_heads, dim = q.shape
+    num_blocks, num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
+    group = num_q_heads // num_kv_heads
+    error = _check_tables(block_tables, context_lens, num_blocks, block_size)
+    if error:
+        return error
+    if chunk_blocks <= 0:
+        chunk_blocks = plan_chunk_blocks(context_lens, block_size, num_kv_heads, num_threads)
+    offsets = plan_split_offsets(context_lens, block_size, chunk_blocks)
+    num_splits = offsets[batch]
+    split_seq = np.empty(num_splits, np.int64)
+    for b in range(batch):
+        split_seq[offsets[b]:offsets[b + 1]] = b
+    num_items = num_splits * num_kv_heads
+    part_acc = np.empty((num_items, group, dim), np.float32)
+    part_max = np.empty((num_items, group), np.float32)
+    part_sum = np.empty((num_items, group), np.float32)
+    tickets = np.zeros(1, np.int64)
+    num_workers = min(num_threads, num_items)
+    # Per worker: scores [group, block_size], then block max, running max and running sum, then an unused row,
+    # rows padded to 64 bytes, so no two workers ever write into one cache line.
+    stride = (max(block_size, group) + 15) // 16 * 16
+    scratch = np.empty((num_workers, group + 4, stride), np.float32)
+    for w in prange(num_workers):
+        scores, stats = scratch[w, :group], scratch[w, group:group + 3]  # whole rows keep them C-contiguous
+        item = _take_ticket(tickets)
+        while item < num_items:
+            split, h = item // num_kv_heads, item % num_kv_heads
+            b = split_seq[split]
+            last_block = (context_lens[b] + block_size - 1) // block_size
+            first = min((split - offsets[b]) * chunk_blocks, last_block)
+            last = min(first + chunk_blocks, last_block)
+            _attend_split(q[b], k_cache, v_cache, block_tables[b], context_lens[b], h, first, last,
+                          part_acc[item], stats[1], stats[2], scores, stats[0])
+            for g in range(group):
+                part_max[item, g], part_sum[item, g] = stats[1, g], stats[2, g]
+            item = _take_ticket(tickets)
+    for row in prange(batch * num_q_heads):
+        b, hq = row // num_q_heads, row % num_q_heads
+        h, g = hq // group, hq % group
+        lse[b, hq] = _merge_splits(part_acc, part_max, part_sum, offsets[b] * num_kv_heads + h,
+                                   offsets[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
+    return 0

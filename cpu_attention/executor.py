@@ -1,0 +1,68 @@
+"""The host tier's worker: one thread that runs every CPU attention call, in submission order.
+
+Why one thread: numba's parallel kernels fan out over its own thread pool, and its `workqueue` threading
+layer aborts the process when two threads launch parallel work at once (the OpenMP and TBB layers are
+thread-safe, but which one numba picks depends on the host). One worker serializes every launch whatever the
+layer, and keeps a layer's K/V write ordered before the decode that reads it. The kernels release the GIL,
+so the engine's main thread keeps driving the GPU meanwhile.
+"""
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numba
+import torch
+
+from cpu_attention.decode import CACHE_DTYPES, paged_decode_attention
+from cpu_attention.store import store_kvcache
+
+
+class CpuAttentionExecutor:
+    """submit(fn, *args, **kwargs) -> Future on the single worker thread "cpu-attention"."""
+
+    def __init__(self, num_threads: int | None = None, warm: bool = True):
+        """num_threads: numba threads for the kernels; by default all cores but one, which stays free for the
+        engine's main thread (it keeps launching GPU work while the host kernel runs, and a kernel thread that
+        loses its core to it holds up the whole kernel). warm: compile (or load from numba's on-disk cache)
+        every kernel specialization on the worker now, ahead of the first step."""
+        cores = numba.config.NUMBA_NUM_THREADS
+        if num_threads is None:
+            num_threads = max(1, cores - 1)
+        if not 1 <= num_threads <= cores:
+            raise ValueError(f"CpuAttentionExecutor: num_threads must be in 1..{cores} (NUMBA_NUM_THREADS), got "
+                             f"{num_threads}")
+        self.num_threads = num_threads
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attention",
+                                        initializer=self._set_threads)
+        self._warm = self._pool.submit(warmup) if warm else None
+
+    def _set_threads(self) -> None:
+        numba.set_num_threads(self.num_threads)  # numba's thread count is per calling thread: set it here
+
+    def submit(self, fn, *args, **kwargs) -> Future:
+        return self._pool.submit(fn, *args, **kwargs)
+
+    def warmup(self) -> None:
+        """Blocks until the kernels are compiled (the constructor already started it when warm=True)."""
+        (self._warm or self._pool.submit(warmup)).result()
+
+    def shutdown(self, wait: bool = True) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=True)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()
+
+
+def warmup(dtypes=CACHE_DTYPES, head_dim: int = 8, block_size: int = 4) -> None:
+    """Compiles every kernel the engine calls, on tiny inputs, for each cache dtype. The compiled code does not
+    depend on shapes, so this covers all models; with numba's on-disk cache a later process only loads it."""
+    for dtype in dtypes:
+        k_cache = torch.zeros(2, 1, block_size, head_dim, dtype=dtype)
+        v_cache = torch.zeros_like(k_cache)
+        key = torch.ones(1, 1, head_dim, dtype=dtype)
+        for slot_dtype in (torch.int32, torch.int64):
+            store_kvcache(key, key, k_cache, v_cache, torch.zeros(1, dtype=slot_dtype))
+        q = torch.ones(1, 2, head_dim, dtype=dtype)
+        paged_decode_attention(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
+                               torch.ones(1, dtype=torch.int32), 1.0)

@@ -1,0 +1,69 @@
+"""store_kvcache on the host: the new tokens' K/V rows into the head-major caches, in place.
+
+Layout: caches [num_blocks, Hkv, block_size, D]; token i with slot s = block * block_size + offset lands in
+cache[block, h, offset, :] for every kv head h (Hkv runs of D values, one per head-major run); slot -1 is
+skipped. Elements are copied as bit patterns of their width, never widened, so one compiled kernel per
+element size serves float32, bfloat16 and float16. A numba loop instead of torch indexing: no index tensors,
+no mask, nothing allocated per call, and it releases the GIL like the decode kernel it runs beside.
+"""
+import numpy as np
+import torch
+from numba import njit
+
+_BITS = {2: torch.int16, 4: torch.int32}
+
+
+@njit(nogil=True, cache=True)
+def _store_kernel(key, value, k_cache, v_cache, slots):
+    num_slots = k_cache.shape[0] * k_cache.shape[2]
+    for i in range(slots.shape[0]):  # check every slot before the first write: all or nothing
+        if slots[i] < -1 or slots[i] >= num_slots:
+            return i + 1
+    block_size = k_cache.shape[2]
+    for i in range(slots.shape[0]):
+        if slots[i] < 0:
+            continue
+        block, offset = slots[i] // block_size, slots[i] % block_size
+        for h in range(k_cache.shape[1]):  # explicit loops: numba's slice assignment is ~6x slower here
+            for d in range(k_cache.shape[3]):
+                k_cache[block, h, offset, d] = key[i, h, d]
+            for d in range(k_cache.shape[3]):
+                v_cache[block, h, offset, d] = value[i, h, d]
+    return 0
+
+
+def store_kvcache(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor) -> None:
+    """key/value [N, Hkv, D] (the caches' dtype) into caches [num_blocks, Hkv, block_size, D] at slot_mapping [N]."""
+    _check_inputs(key, value, k_cache, v_cache, slot_mapping)
+    bits = _BITS[k_cache.element_size()]
+    slots = slot_mapping.to(torch.int64).contiguous()
+    bad = _store_kernel(_bits_view(key.contiguous(), bits), _bits_view(value.contiguous(), bits),
+                        _bits_view(k_cache, bits), _bits_view(v_cache, bits), slots.numpy())
+    if bad:
+        raise ValueError(f"store_kvcache: slot_mapping[{bad - 1}] = {int(slots[bad - 1])} is outside the cache "
+                         f"(valid: -1 to skip, or 0..{k_cache.shape[0] * k_cache.shape[2] - 1})")
+
+
+def _bits_view(t: torch.Tensor, bits: torch.dtype) -> np.ndarray:
+    return t.view(bits).numpy()
+
+
+def _check_inputs(key, value, k_cache, v_cache, slot_mapping) -> None:
+    named = {"key": key, "value": value, "k_cache": k_cache, "v_cache": v_cache, "slot_mapping": slot_mapping}
+    for name, t in named.items():
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise ValueError(f"store_kvcache: {name} must be a CPU torch tensor")
+    if k_cache.dim() != 4 or k_cache.shape != v_cache.shape or not (k_cache.is_contiguous() and
+                                                                     v_cache.is_contiguous()):
+        raise ValueError(f"store_kvcache: caches must be equal contiguous [blocks, Hkv, block_size, D], got "
+                         f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}")
+    expected = (slot_mapping.shape[0] if slot_mapping.dim() == 1 else -1, k_cache.shape[1], k_cache.shape[3])
+    if slot_mapping.dim() != 1 or tuple(key.shape) != expected or key.shape != value.shape:
+        raise ValueError(f"store_kvcache: key/value must be [N, Hkv, D] = {expected} with slot_mapping [N], got "
+                         f"{tuple(key.shape)}, {tuple(value.shape)}, {tuple(slot_mapping.shape)}")
+    if not key.dtype == value.dtype == k_cache.dtype == v_cache.dtype or k_cache.element_size() not in _BITS:
+        raise ValueError(f"store_kvcache: key, value and caches must share a 16- or 32-bit dtype, got {key.dtype}, "
+                         f"{value.dtype}, {k_cache.dtype}, {v_cache.dtype}")
+    if slot_mapping.dtype not in (torch.int32, torch.int64):
+        raise ValueError(f"store_kvcache: slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
