@@ -17,10 +17,13 @@ RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
 def run(model: str, num_seqs: int, prompt_len: int, output_len: int, kv_placement: str, num_gpu_blocks: int | None,
-        cpu_kv_cache_gb: float | None, attention_backend: str, model_dir: str, max_model_len: int | None) -> dict:
+        cpu_kv_cache_gb: float | None, attention_backend: str, model_dir: str, max_model_len: int | None,
+        max_num_seqs: int) -> dict:
     path = materialize(model, model_dir)
+    start = time.perf_counter()
     llm = LLM(path, kv_placement=kv_placement, num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb,
-              attention_backend=attention_backend, max_model_len=max_model_len)
+              attention_backend=attention_backend, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
+    startup = time.perf_counter() - start
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 10000, (prompt_len,), generator=gen).tolist() for _ in range(num_seqs)]
     params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True)
@@ -31,7 +34,7 @@ def run(model: str, num_seqs: int, prompt_len: int, output_len: int, kv_placemen
     generated = sum(len(o.token_ids) for o in outputs)
     result = {
         "model": model, "num_seqs": num_seqs, "prompt_len": prompt_len, "output_len": output_len,
-        "kv_placement": kv_placement, "seconds": seconds, "output_tok_per_s": generated / seconds,
+        "kv_placement": kv_placement, "startup_seconds": startup, "seconds": seconds, "output_tok_per_s": generated / seconds,
         "total_tok_per_s": (generated + num_seqs * prompt_len) / seconds,
         "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu")},
         "preemptions": llm.engine.scheduler.num_preemptions, **llm.kv_cache_summary,
@@ -55,11 +58,12 @@ def main() -> None:
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=None)
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--model-dir", default="/tmp/offload_engine_models")
     parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/throughput_<model>.json)")
     args = parser.parse_args()
     result = run(args.model, args.num_seqs, args.prompt_len, args.output_len, args.kv_placement, args.num_gpu_blocks,
-                 args.cpu_kv_cache_gb, args.attention_backend, args.model_dir, args.max_model_len)
+                 args.cpu_kv_cache_gb, args.attention_backend, args.model_dir, args.max_model_len, args.max_num_seqs)
     print(json.dumps(result, indent=2))
     out = args.out or os.path.join(RESULTS, f"throughput_{args.model}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)

@@ -29,11 +29,10 @@ case "${1:-check}" in
   engine)
     for placement in gpu cpu; do
       step throughput_$placement 200 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --num-seqs 64 \
-        --prompt-len 512 --output-len 128 --kv-placement $placement --cpu-kv-cache-gb 8 --max-model-len 4096 \
+        --prompt-len 512 --output-len 128 --kv-placement $placement --cpu-kv-cache-gb 8 --max-num-seqs 64 \
         --out "$OUT/throughput_qwen3-0.6b_b64_$placement.json"
     done
     step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
-    step profile_gpu 100 python3 benchmarks/profile_step.py --kv-placement gpu
     ;;
   gpu-bench)
     step gpu_attention 300 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"
@@ -46,7 +45,7 @@ case "${1:-check}" in
     for placement in gpu auto cpu; do
       step throughput_$placement 150 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --num-seqs 64 \
         --prompt-len 512 --output-len 128 --kv-placement $placement --num-gpu-blocks 900 --cpu-kv-cache-gb 8 \
-        --max-model-len 4096 --out "$OUT/throughput_qwen3-0.6b_b64_900blocks_$placement.json"
+        --max-model-len 4096 --max-num-seqs 64 --out "$OUT/throughput_qwen3-0.6b_b64_900blocks_$placement.json"
     done
     ;;
 esac
