@@ -28,13 +28,19 @@ def run(model: str, num_seqs: int, prompt_len: int, output_len: int, kv_placemen
     prompts = [torch.randint(0, 10000, (prompt_len,), generator=gen).tolist() for _ in range(num_seqs)]
     params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True)
     llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up kernels
+    steps = []
+    engine_step = llm.engine.step
+    llm.engine.step = lambda: steps.append(engine_step()) or steps[-1]
     start = time.perf_counter()
     outputs = llm.generate(prompts, params)
     seconds = time.perf_counter() - start
+    decode_ms = sorted(1e3 * s.seconds for s in steps if not s.is_prefill) or [0.0]
     generated = sum(len(o.token_ids) for o in outputs)
     result = {
         "model": model, "num_seqs": num_seqs, "prompt_len": prompt_len, "output_len": output_len,
-        "kv_placement": kv_placement, "startup_seconds": startup, "seconds": seconds, "output_tok_per_s": generated / seconds,
+        "kv_placement": kv_placement, "startup_seconds": startup, "seconds": seconds,
+        "prefill_seconds": sum(s.seconds for s in steps if s.is_prefill), "decode_steps": len(decode_ms),
+        "decode_step_ms_median": decode_ms[len(decode_ms) // 2], "output_tok_per_s": generated / seconds,
         "total_tok_per_s": (generated + num_seqs * prompt_len) / seconds,
         "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu")},
         "preemptions": llm.engine.scheduler.num_preemptions, **llm.kv_cache_summary,
