@@ -27,12 +27,14 @@ def run(model: str, num_seqs: int, prompt_len: int, output_len: int, kv_placemen
     gen = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, 10000, (prompt_len,), generator=gen).tolist() for _ in range(num_seqs)]
     params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True)
-    llm.generate(prompts[:1], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm up kernels
+    # Warm up kernels and graphs on a prompt that shares no prefix with the measured ones: a cached prefix would
+    # change what is measured (and was seen to slow host-tier decode steps, 170 ms against 110; not understood).
+    llm.generate([[10001] * prompt_len], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     steps = []
     engine_step = llm.engine.step
     llm.engine.step = lambda: steps.append(engine_step()) or steps[-1]
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params)
+    outputs = llm.generate(prompts, params, use_tqdm=os.environ.get("BENCH_TQDM", "1") == "1")
     seconds = time.perf_counter() - start
     decode_ms = sorted(1e3 * s.seconds for s in steps if not s.is_prefill) or [0.0]
     generated = sum(len(o.token_ids) for o in outputs)

@@ -31,11 +31,15 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--random-prompts", action="store_true")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
+    parser.add_argument("--warm-generate", action="store_true")
     args = parser.parse_args()
     llm = LLM(materialize("qwen3-0.6b", "/tmp/offload_engine_models"), kv_placement="cpu", max_model_len=4096,
-              gpu_memory_utilization=0.3, cpu_kv_cache_gb=8, max_num_seqs=args.num_seqs)
+              gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_gb=8, max_num_seqs=args.num_seqs)
     engine = llm.engine
     engine.runner.executor.warmup()
+    if args.warm_generate:
+        llm.generate([[5] * args.context], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     gen = torch.Generator().manual_seed(0)
     for i in range(args.num_seqs):
         prompt = torch.randint(0, 10000, (args.context,), generator=gen).tolist() if args.random_prompts else [i + 1] * args.context

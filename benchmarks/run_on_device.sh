@@ -27,11 +27,13 @@ case "${1:-check}" in
     step profile_cpu 100 python3 benchmarks/profile_step.py --kv-placement cpu
     ;;
   engine)
-    for placement in gpu cpu; do
+    for placement in gpu; do
       step throughput_$placement 200 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --num-seqs 64 \
         --prompt-len 512 --output-len 128 --kv-placement $placement --cpu-kv-cache-gb 8 --max-num-seqs 64 \
         --out "$OUT/throughput_qwen3-0.6b_b64_$placement.json"
     done
+    ;;
+  e2e-only)
     step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
     ;;
   gpu-bench)
