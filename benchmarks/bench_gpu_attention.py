@@ -24,6 +24,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from benchmarks.check_gpu_kernels import capture  # noqa: E402
 
 NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, DTYPE = 8, 32, 128, torch.bfloat16
 DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (64, 4096), (64, 32768),
@@ -41,14 +42,7 @@ def bench_ms(fn) -> float:
 
 def _graphed(fn):
     try:
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            fn()
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
+        graph, _ = capture(fn)
         return graph.replay
     except Exception:
         torch.cuda.synchronize()

@@ -13,12 +13,16 @@ from offload_engine.sampling_params import SamplingParams
 
 
 class LLM:
-    def __init__(self, model: str, device: str | None = None, dtype: str = "auto", kv_placement: str = "auto",
-                 num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
+    def __init__(self, model_dir: str | None = None, device: str | None = None, dtype: str = "auto",
+                 kv_placement: str = "auto", num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
                  cpu_kv_cache_gb: float | None = None, block_size: int = 16, cpu_block_size: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
-                 attention_backend: str = "auto", seed: int = 0):
+                 attention_backend: str = "auto", seed: int = 0, model: str | None = None):
+        """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing."""
+        model = model_dir if model_dir is not None else model
+        if model is None:
+            raise ValueError("pass the model directory: LLM('path/to/model')")
         self.config = EngineConfig(
             device=device, dtype=dtype, kv_placement=kv_placement, num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb, block_size=block_size,

@@ -88,3 +88,18 @@ def test_loader_refuses_pickled_weights(qwen3_dir, tmp_path):
     (model_dir / "pytorch_model.bin").write_bytes(b"not even read")
     with pytest.raises(OSError, match="safetensors"):
         LLM(str(model_dir), device="cpu")
+
+
+def test_host_pool_larger_than_the_host_can_spare(qwen3_dir):
+    with pytest.raises(ValueError, match="can spare"):
+        LLM(qwen3_dir, device="cpu", kv_placement="cpu", cpu_kv_cache_gb=10**6)
+
+
+def test_forcing_an_unavailable_backend_is_a_clear_error(qwen3_dir):
+    with pytest.raises(ValueError, match="flash"):
+        LLM(qwen3_dir, device="cpu", attention_backend="flash-attn")
+
+
+def test_model_keyword_as_in_vllm(qwen3_dir):
+    out = LLM(model=qwen3_dir, device="cpu").generate(GOOD, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    assert out[0].token_ids == hf_greedy(qwen3_dir, GOOD, 3)[0]

@@ -72,7 +72,9 @@ class ModelRunner:
         cfg = self.model_cfg
         pool = HostKVPool(cfg.num_layers, blocks, cfg.num_kv_heads, size, cfg.head_dim, self.dtype,
                           pin=self.device.type == "cuda")
-        return blocks, pool, CpuAttentionExecutor()
+        executor = CpuAttentionExecutor()
+        executor.warmup()  # numba compiles (or loads its on-disk cache) now, not inside the first step
+        return blocks, pool, executor
 
     def bind_kv_caches(self, device_pool, host_pool) -> None:
         """Hands every attention layer its caches in both tiers, the device backend and the host executor."""
