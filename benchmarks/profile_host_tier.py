@@ -33,6 +33,10 @@ def main() -> None:
     parser.add_argument("--random-prompts", action="store_true")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.3)
     parser.add_argument("--warm-generate", action="store_true")
+    parser.add_argument("--shared-prefix", action="store_true",
+                        help="warm up on the first measured prompt, so the measured prefill stages a cached prefix")
+    parser.add_argument("--torch-parallel-op", action="store_true",
+                        help="run one multi-threaded torch CPU op on the main thread first (as prefix staging does)")
     args = parser.parse_args()
     llm = LLM(materialize("qwen3-0.6b", "/tmp/offload_engine_models"), kv_placement="cpu", max_model_len=4096,
               gpu_memory_utilization=args.gpu_memory_utilization, cpu_kv_cache_gb=8, max_num_seqs=args.num_seqs)
@@ -43,11 +47,16 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     for i in range(args.num_seqs):
         prompt = torch.randint(0, 10000, (args.context,), generator=gen).tolist() if args.random_prompts else [i + 1] * args.context
+        if i == 0 and args.shared_prefix:
+            llm.generate([prompt], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
         engine.add(engine.make_sequence(prompt, SamplingParams(temperature=0.6, max_tokens=128, ignore_eos=True)))
     while engine.step().is_prefill:
         pass
     for _ in range(3):
         engine.step()
+    if args.torch_parallel_op:
+        big = torch.randn(4096, 8, 64, 128)
+        torch.index_select(big, 0, torch.randperm(4096)[:2048])
     cpu_attention.paged_decode_attention = timed("decode", cpu_attention.paged_decode_attention)
     cpu_attention.store_kvcache = timed("store", cpu_attention.store_kvcache)
     event_sync = torch.cuda.Event.synchronize

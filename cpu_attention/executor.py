@@ -12,6 +12,7 @@ import numba
 import torch
 
 from cpu_attention.decode import CACHE_DTYPES, paged_decode_attention
+from cpu_attention.gather import gather_blocks
 from cpu_attention.store import store_kvcache
 
 
@@ -66,3 +67,4 @@ def warmup(dtypes=CACHE_DTYPES, head_dim: int = 8, block_size: int = 4) -> None:
         q = torch.ones(1, 2, head_dim, dtype=dtype)
         paged_decode_attention(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 1.0)
+        gather_blocks(k_cache, torch.zeros(1, dtype=torch.int64), torch.empty_like(k_cache[:1]))

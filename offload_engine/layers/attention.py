@@ -101,9 +101,13 @@ class Attention(nn.Module):
         for host_pool in (self.k_cache_cpu, self.v_cache_cpu):
             cache = torch.empty(shape, dtype=host_pool.dtype, device=device)
             if num_prefix:
+                from cpu_attention.gather import gather_blocks
+
                 gathered = torch.empty((num_prefix, num_kv_heads, block_size, head_dim), dtype=host_pool.dtype,
                                        pin_memory=device.type == "cuda")
-                torch.index_select(host_pool, 0, staging.source_blocks, out=gathered)
+                # On the executor: the gather must follow this step's queued host writes, and numba's pool
+                # (not a torch CPU op) keeps a second OpenMP team off the host's cores (cpu_attention/gather.py).
+                self.executor.submit(gather_blocks, host_pool, staging.source_blocks, gathered).result()
                 cache[:num_prefix].copy_(gathered.to(device, non_blocking=True).transpose(1, 2))
             staged.append(cache)
         return staged
