@@ -28,7 +28,7 @@ def run(model: str, num_seqs: int, prompt_len: int, output_len: int, kv_placemen
     prompts = [torch.randint(0, 10000, (prompt_len,), generator=gen).tolist() for _ in range(num_seqs)]
     params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True)
     # Warm up kernels and graphs on a prompt that shares no prefix with the measured ones: a cached prefix would
-    # change what is measured (and was seen to slow host-tier decode steps, 170 ms against 110; not understood).
+    # change what is measured.
     llm.generate([[10001] * prompt_len], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     steps = []
     engine_step = llm.engine.step
