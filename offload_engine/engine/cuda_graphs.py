@@ -8,8 +8,11 @@ Attention stays outside the graphs because its host-tier half runs numba on a ho
 (context lengths, which tier each row is on) changes every step; everything else is the same kernels with
 the same shapes, replayed for a few microseconds each.
 
-When no row of the step is on the host tier, attention needs no host work, so a second, whole-step graph
-per bucket captures attention too (its maps live in static buffers sized for max_model_len). Padding rows
+When no row of the step is on the host tier, attention needs no host work, so an instance made with
+`max_blocks_per_seq` captures whole steps, attention included (its maps live in static buffers sized for
+max_model_len). The engine keeps one instance per decode lane (engine/llm_engine.py): whole-step graphs for
+the device tier, piecewise graphs for the host tier, each with its own static inputs and memory pool, so
+the two lanes can be in flight at once. Padding rows
 (a batch of 37 runs in the 48 bucket) compute on stale inputs and are never read: every op outside attention
 is row-wise in decode, and padded rows get slot -1 and context 0, so they write and read no KV.
 """
@@ -46,8 +49,9 @@ class DecodeGraphs:
                 block_tables=torch.full((largest, max_blocks_per_seq), -1, dtype=torch.int32, device=device),
                 slot_mapping_cpu=torch.empty(0), context_lens_cpu=torch.empty(0), block_tables_cpu=torch.empty(0))
         for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
-            self._capture(size)
-            if self.device_maps is not None:
+            if self.device_maps is None:
+                self._capture(size)
+            else:
                 self._capture_whole(size)
 
     def _segments(self, size: int):
@@ -90,8 +94,9 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.whole[size] = (graph, logits)
 
-    def fits(self, batch: int) -> bool:
-        return batch <= self.buckets[-1]
+    def fits(self, batch: int, meta) -> bool:
+        """Whole-step graphs serve device-tier batches only; piecewise graphs serve any batch."""
+        return batch <= self.buckets[-1] and (self.device_maps is None or not meta.has_cpu_rows)
 
     @torch.inference_mode()
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -100,7 +105,7 @@ class DecodeGraphs:
         size = next(b for b in self.buckets if b >= batch)
         self.token_ids[:batch].copy_(token_ids)
         self.positions[:batch].copy_(positions)
-        if not meta.has_cpu_rows and size in self.whole:
+        if self.device_maps is not None:
             return self._run_whole(size, batch, meta)
         graphs, outputs = self.graphs[size], self.outputs[size]
         for layer in range(self.num_layers):

@@ -1,5 +1,14 @@
-"""The step loop: schedule -> run the model -> postprocess, until every request has finished."""
+"""The step loop: schedule -> run the model -> postprocess, until every request has finished.
+
+Decode runs in two lanes. Device-tier sequences decode on the engine's thread, a step every few
+milliseconds; host-tier sequences decode on a "host-lane" thread, where each step waits on the CPU
+attention kernel layer by layer. The lanes run at once, so the device tier never waits for the host tier:
+while one host-tier step is in flight, many device-tier steps (and prefills) go by, and its tokens are
+taken in by whichever step finds it done. All scheduling happens on the engine's thread; a sequence in
+flight is left alone until it comes back.
+"""
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from offload_engine.config import EngineConfig, ModelConfig
@@ -7,7 +16,7 @@ from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.model_runner import ModelRunner
 from offload_engine.engine.placement import can_ever_fit
 from offload_engine.engine.scheduler import Scheduler
-from offload_engine.engine.sequence import Sequence
+from offload_engine.engine.sequence import BlockLocation, Sequence
 
 
 @dataclass
@@ -28,6 +37,8 @@ class LLMEngine:
                                    cfg.cpu_block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.kv_placement, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    max_model_len, eos_token_ids)
+        self.host_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-lane")
+        self.in_flight: tuple[list[Sequence], Future] | None = None  # the host lane's decode step
 
     def make_sequence(self, token_ids: list[int], params) -> Sequence:
         """A sequence for the request, or ValueError if no pool it may use could ever hold it."""
@@ -49,18 +60,52 @@ class LLMEngine:
 
     def step(self) -> StepStats:
         start = time.perf_counter()
-        batch, is_prefill = self.scheduler.schedule()
-        if not batch:
+        finished, num_tokens = self._take_host_step(wait=False)
+        batch = self.scheduler.schedule_prefill()
+        if batch:
+            finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=True))
+            num_tokens = sum(s.num_scheduled_tokens for s in batch)
+            return StepStats(True, num_tokens, time.perf_counter() - start, finished)
+        if self.in_flight is None:
+            self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU))
+        batch = self.scheduler.schedule_decode(BlockLocation.GPU)
+        if batch:
+            finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=False))
+            num_tokens += len(batch)
+        elif self.in_flight is not None:
+            more, count = self._take_host_step(wait=True)  # nothing else to do until it is back
+            finished, num_tokens = finished + more, num_tokens + count
+        elif not num_tokens:
             raise RuntimeError("the scheduler found no runnable work although requests are pending")
-        token_ids = self.runner.run(batch, is_prefill)
-        num_tokens = sum(s.num_scheduled_tokens for s in batch) if is_prefill else len(batch)
-        finished = self.scheduler.postprocess(batch, token_ids)
-        return StepStats(is_prefill, num_tokens, time.perf_counter() - start, finished)
+        return StepStats(False, num_tokens, time.perf_counter() - start, finished)
+
+    def _start_host_step(self, batch: list[Sequence]) -> None:
+        if not batch:
+            return
+        for seq in batch:
+            seq.in_flight = True
+        self.in_flight = (batch, self.host_lane.submit(self.runner.run, batch, False, "host"))
+
+    def _take_host_step(self, wait: bool) -> tuple[list[Sequence], int]:
+        """Postprocesses the host lane's step if it is back (or, with wait, once it is)."""
+        if self.in_flight is None or not (wait or self.in_flight[1].done()):
+            return [], 0
+        batch, future = self.in_flight
+        self.in_flight = None
+        for seq in batch:
+            seq.in_flight = False
+        return self.scheduler.postprocess(batch, future.result()), len(batch)
 
     def abort(self, seqs: list[Sequence]) -> None:
+        if self.in_flight is not None:
+            self.in_flight[1].exception()  # let it finish: its sequences' blocks are in use until then
+            for seq in self.in_flight[0]:
+                seq.in_flight = False
+            self.in_flight = None
         for seq in seqs:
             if not seq.is_finished:
                 self.scheduler.finish(seq)
 
     def close(self) -> None:
+        self.host_lane.shutdown(wait=True)
         self.runner.close()

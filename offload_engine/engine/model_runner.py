@@ -25,7 +25,8 @@ class ModelRunner:
         self.model = build_model(model_cfg, model_dir, dtype, self.device, max_position=max_model_len)
         self.backend = select_backend(cfg.attention_backend, self.device, cfg.block_size)
         self.inputs = StepInputBuilder(self.device, cfg.block_size, cfg.cpu_block_size)
-        self.generator = torch.Generator(device=self.device).manual_seed(cfg.seed)
+        self.generators = {lane: torch.Generator(device=self.device).manual_seed(cfg.seed + i)
+                           for i, lane in enumerate(("device", "host"))}
         self.num_gpu_blocks = self._size_device_pool()
         self.device_pool = self.allocate_device_pool(self.num_gpu_blocks)
         self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
@@ -83,17 +84,22 @@ class ModelRunner:
             layer.k_cache_cpu, layer.v_cache_cpu = host_pool[i] if host_pool else (None, None)
             layer.backend, layer.executor = self.backend, getattr(self, "executor", None)
 
-    def _capture_decode_graphs(self):
+    def _capture_decode_graphs(self) -> dict:
+        """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (piecewise)."""
         if self.device.type != "cuda" or self.cfg.enforce_eager:
-            return None
+            return {}
         from offload_engine.engine.cuda_graphs import DecodeGraphs
 
-        # Captured after both pools exist, from what gpu_memory_utilization left free. Whole-step graphs need
-        # a graph-safe attention backend: the torch path gathers every table column, which at max_model_len
-        # would not fit.
-        whole_step = self.backend.name != "torch"
-        return DecodeGraphs(self.model, self.cfg.max_num_seqs, self.model_cfg.num_heads, self.model_cfg.head_dim,
-                            self.dtype, self.device, -(-self.max_model_len // self.cfg.block_size) if whole_step else None)
+        # Captured after both pools exist, from what gpu_memory_utilization left free. Whole-step graphs need a
+        # graph-safe attention backend: the torch path gathers every table column, which would not fit.
+        cfg = self.model_cfg
+        make = lambda blocks: DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim,
+                                           self.dtype, self.device, blocks)
+        whole = self.backend.name != "torch"
+        graphs = {"device": make(-(-self.max_model_len // self.cfg.block_size) if whole else None)}
+        if self.host_pool is not None:
+            graphs["host"] = make(None)
+        return graphs
 
     def close(self) -> None:
         if self.executor is not None:
@@ -103,16 +109,19 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool) -> list[int]:
+    def run(self, seqs: list[Sequence], is_prefill: bool, lane: str = "device") -> list[int]:
+        """One step for `seqs`. Decode steps of the two lanes may run at once, from two threads: each lane has
+        its own graphs and generator, and shares nothing else that a step writes."""
         step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
-        if not is_prefill and self.decode_graphs is not None and self.decode_graphs.fits(len(seqs)):
-            logits = self.decode_graphs.run(step.token_ids, step.positions, step.meta)
+        graphs = self.decode_graphs.get(lane)
+        if not is_prefill and graphs is not None and graphs.fits(len(seqs), step.meta):
+            logits = graphs.run(step.token_ids, step.positions, step.meta)
         else:
             hidden = self.model(step.token_ids, step.positions, step.meta)
             logits = self.model.compute_logits(hidden[step.sample_rows])
         for write in step.meta.pending_host_writes:
             write.result()  # the next step may stage these blocks back
-        return sample(logits, self._sampling_batch(seqs), self.generator).tolist()
+        return sample(logits, self._sampling_batch(seqs), self.generators[lane]).tolist()
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]

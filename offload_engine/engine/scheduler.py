@@ -1,15 +1,17 @@
 """Continuous batching with chunked prefill, on two KV tiers.
 
 A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens` tokens) or a decode step
-(one token for every running sequence). Prefill goes first, so new requests join the batch as soon as a
-tier has room for them. When a decode step finds no room for a sequence's next token, the newest sequence
-on the same tier is preempted: its blocks are freed and it is recomputed later. No request is dropped.
+(one token for every running sequence of one tier: decode runs in two lanes, see engine/llm_engine.py).
+Prefill goes first, so new requests join the batch as soon as a tier has room for them. When a decode step
+finds no room for a sequence's next token, the newest sequence on the same tier is preempted: its blocks are
+freed and it is recomputed later. Sequences in flight in the host lane are never touched. No request is
+dropped.
 """
 from collections import deque
 
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.placement import choose_tier
-from offload_engine.engine.sequence import Sequence, SequenceStatus
+from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -31,14 +33,8 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def schedule(self) -> tuple[list[Sequence], bool]:
-        """The sequences of the next step, and whether it is a prefill step."""
-        batch = self._schedule_prefill()
-        if batch:
-            return batch, True
-        return self._schedule_decode(), False
-
-    def _schedule_prefill(self) -> list[Sequence]:
+    def schedule_prefill(self) -> list[Sequence]:
+        """Prompt chunks for the next step (running prefills first, then admissions); empty if none."""
         budget, batch = self.max_num_batched_tokens, []
         for seq in self.running:
             if seq.in_prefill and budget > 0:
@@ -61,11 +57,12 @@ class Scheduler:
         seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
         return seq.num_scheduled_tokens
 
-    def _schedule_decode(self) -> list[Sequence]:
+    def schedule_decode(self, tier: BlockLocation) -> list[Sequence]:
+        """One token for every running, prefilled sequence on `tier` that is not in flight."""
         batch = []
         for seq in list(self.running):
-            if seq.status != SequenceStatus.RUNNING:
-                continue  # preempted earlier in this loop
+            if seq.location != tier or seq.in_flight or seq.in_prefill or seq.status != SequenceStatus.RUNNING:
+                continue
             while not self.blocks.can_append(seq):
                 victim = self._newest_on_tier(seq)
                 self._preempt(victim)
@@ -79,7 +76,8 @@ class Scheduler:
 
     def _newest_on_tier(self, seq: Sequence) -> Sequence:
         """The most recently admitted running sequence on seq's tier (seq itself if it is the newest)."""
-        return next(s for s in reversed(self.running) if s.location == seq.location)
+        return next(s for s in reversed(self.running)
+                    if s.location == seq.location and not s.in_flight and not s.in_prefill)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.deallocate(seq)
