@@ -8,7 +8,6 @@ team beside numba's, and on the 16-core GPU host that halved the decode kernel's
 process (measured: 76 ms -> 165 ms of kernel time per Qwen3-0.6B step, benchmarks/profile_host_tier.py).
 Keeping every bulk host copy on numba's pool, on the executor thread, avoids the second team.
 """
-import numpy as np
 import torch
 from numba import njit, prange
 

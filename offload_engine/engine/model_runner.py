@@ -1,17 +1,14 @@
 """Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens."""
-import logging
-
 import torch
 
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from offload_engine.config import EngineConfig, ModelConfig
-from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.layers.attention_backends import select_backend
 from offload_engine.layers.sampler import SamplingBatch, sample
 from offload_engine.loader import build_model
 
-log = logging.getLogger(__name__)
 GiB = 1 << 30
 CPU_DEVICE_POOL_BYTES = 1 * GiB  # device="cpu": the "device" tier is host memory too; keep it modest
 
@@ -45,7 +42,8 @@ class ModelRunner:
         if self.cfg.num_gpu_blocks is not None:
             return self.cfg.num_gpu_blocks
         if self.device.type == "cpu":
-            return max(1, min(self._wanted_blocks(self.cfg.block_size), CPU_DEVICE_POOL_BYTES // self._block_bytes(self.cfg.block_size)))
+            size = self.cfg.block_size
+            return max(1, min(self._wanted_blocks(size), CPU_DEVICE_POOL_BYTES // self._block_bytes(size)))
         from offload_engine.engine.memory_profile import profile_free_kv_bytes
 
         free = profile_free_kv_bytes(self)
