@@ -13,7 +13,7 @@ install: $(STAMP)
 $(STAMP): setup.py Makefile
 	python3 -m venv $(VENV)
 	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH)"
-	$(PY) -m pip install -q -e ".[test,bench]"
+	$(PY) -m pip install -q -e ".[test]"
 	touch $(STAMP)
 
 run: $(STAMP)
@@ -21,6 +21,9 @@ run: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q tests
+
+bench: $(STAMP)
+	$(VENV)/bin/offload-engine bench
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -4,7 +4,8 @@ setup(
     name="offload-engine",
     version="0.1.0",
     description="LLM inference with a GPU KV tier and a pinned-host KV tier attended on the CPU",
-    packages=find_packages(include=["offload_engine*", "cpu_attention*", "kernels*"]),
+    packages=find_packages(include=["offload_engine*", "cpu_attention*", "kernels*", "benchmarks"]),
+    package_data={"benchmarks": ["configs/*.json"]},
     python_requires=">=3.10",
     # torch is not listed: the Makefile installs the right build (CPU-only where there is no NVIDIA GPU),
     # and a bare `torch` requirement would pull a multi-GB CUDA build onto CPU-only machines.
@@ -16,7 +17,8 @@ setup(
         "numba>=0.60",
         "psutil",
         "tqdm",
+        "matplotlib",
     ],
-    extras_require={"test": ["pytest"], "bench": ["matplotlib"], "flash-attn": ["flash-attn"]},
+    extras_require={"test": ["pytest"], "flash-attn": ["flash-attn"]},
     entry_points={"console_scripts": ["offload-engine=offload_engine.cli:main"]},
 )

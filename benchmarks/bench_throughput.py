@@ -1,82 +1,195 @@
-"""Engine throughput on random weights at a real model's shape: N sequences x (prompt P, output O).
+"""The offload benchmark suite: the engine against its peers beyond VRAM (workloads in workloads.py).
 
-Prints output tok/s, total tok/s and the pools' sizes, and writes JSON under benchmarks/results/.
+    python benchmarks/bench_throughput.py --profile full      # GPU host: real shapes, random weights
+    python benchmarks/bench_throughput.py --profile small     # anywhere, a few minutes (make bench)
+    python benchmarks/bench_throughput.py single --model qwen3-0.6b --num-seqs 64 ...   # one engine run
+
+Every run writes JSON (config, device, host cores, measured ceilings, per-system throughput, ratios) and a
+PNG of throughput against the device KV budget to benchmarks/results/<device>/.
 """
 import argparse
 import json
 import os
 import platform
-import time
+import random
+import re
 
 import torch
 
-from benchmarks.random_model import materialize
-from offload_engine import LLM, SamplingParams
+from benchmarks.engine_run import measure, random_prompts
+from benchmarks.peers import hf_generate
+from benchmarks.workloads import PROFILES, BeyondVram, Profile
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
 
-def run(model: str, num_seqs: int, prompt_len: int, output_len: int, kv_placement: str, num_gpu_blocks: int | None,
-        cpu_kv_cache_gb: float | None, attention_backend: str, model_dir: str, max_model_len: int | None,
-        max_num_seqs: int) -> dict:
-    path = materialize(model, model_dir)
-    start = time.perf_counter()
-    llm = LLM(path, kv_placement=kv_placement, num_gpu_blocks=num_gpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb,
-              attention_backend=attention_backend, max_model_len=max_model_len, max_num_seqs=max_num_seqs)
-    startup = time.perf_counter() - start
-    gen = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(0, 10000, (prompt_len,), generator=gen).tolist() for _ in range(num_seqs)]
-    params = SamplingParams(temperature=0.6, max_tokens=output_len, ignore_eos=True)
-    # Warm up kernels and graphs on a prompt that shares no prefix with the measured ones: a cached prefix would
-    # change what is measured.
-    llm.generate([[10001] * prompt_len], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
-    steps = []
-    engine_step = llm.engine.step
-    llm.engine.step = lambda: steps.append(engine_step()) or steps[-1]
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=os.environ.get("BENCH_TQDM", "1") == "1")
-    seconds = time.perf_counter() - start
-    decode_ms = sorted(1e3 * s.seconds for s in steps if not s.is_prefill) or [0.0]
-    generated = sum(len(o.token_ids) for o in outputs)
-    result = {
-        "model": model, "num_seqs": num_seqs, "prompt_len": prompt_len, "output_len": output_len,
-        "kv_placement": kv_placement, "startup_seconds": startup, "seconds": seconds,
-        "prefill_seconds": sum(s.seconds for s in steps if s.is_prefill), "decode_steps": len(decode_ms),
-        "decode_step_ms_median": decode_ms[len(decode_ms) // 2], "output_tok_per_s": generated / seconds,
-        "total_tok_per_s": (generated + num_seqs * prompt_len) / seconds,
-        "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu")},
-        "preemptions": llm.engine.scheduler.num_preemptions, **llm.kv_cache_summary,
-        "device_pool_gib": llm.engine.runner.num_gpu_blocks * llm.config.block_size
-        * llm.model_config.kv_bytes_per_token(llm.dtype) / 2**30,
-        "device_name": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor(),
-        "torch": torch.__version__, "host_cores": os.cpu_count(),
-    }
-    llm.close()
+def model_dir(name: str, cache: str) -> str:
+    if name == "tiny":
+        from offload_engine.tiny_model import default_model_dir
+
+        return default_model_dir()
+    from benchmarks.random_model import materialize
+
+    return materialize(name, cache)
+
+
+def device_slug() -> str:
+    name = torch.cuda.get_device_name() if torch.cuda.is_available() else f"cpu-{os.cpu_count()}core"
+    return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-")
+
+
+def workload_a(profile: Profile, cache: str) -> dict:
+    rng = random.Random(0)
+    lo, hi = profile.a_range
+    prompt_lens = [rng.randint(lo, hi) for _ in range(profile.a_num_seqs)]
+    output_lens = [rng.randint(lo, hi) for _ in range(profile.a_num_seqs)]
+    path = model_dir(profile.a_model, cache)
+    kwargs = {**profile.llm_kwargs, "max_num_seqs": max(profile.a_num_seqs, profile.llm_kwargs.get("max_num_seqs", 0))}
+    result = measure(path, random_prompts(prompt_lens, 10000 if profile.name == "full" else 400), output_lens,
+                     kv_placement="gpu", **kwargs)
+    return {"model": profile.a_model, "num_seqs": profile.a_num_seqs, "range": profile.a_range, **result}
+
+
+def workload_b(profile: Profile, spec: BeyondVram, cache: str) -> dict:
+    path = model_dir(spec.model, cache)
+    vocab = 10000 if profile.name == "full" else 400
+    prompts = random_prompts([spec.prompt_len] * spec.num_seqs, vocab, seed=1)
+    block_size = 16
+    total_blocks = spec.num_seqs * -(-(spec.prompt_len + spec.output_len) // block_size)
+    runs = []
+    for fraction in spec.budget_fractions:
+        for placement in ("gpu", "auto", "cpu"):
+            budget = max(1, int(total_blocks * fraction))
+            print(f"[b] {spec.model}: {placement} at {budget} device blocks ({fraction:.3f} of the batch's KV)")
+            try:
+                result = measure(path, prompts, [spec.output_len] * spec.num_seqs, kv_placement=placement,
+                                 num_gpu_blocks=budget, block_size=block_size, **profile.llm_kwargs)
+            except (ValueError, RuntimeError, torch.OutOfMemoryError) as error:
+                result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            runs.append({"placement": placement, "budget_blocks": budget, "budget_fraction": fraction, **result})
+    peers = {}
+    for cache_kind in (None, "offloaded"):
+        label = f"hf_{cache_kind or 'dynamic'}"
+        print(f"[d] {spec.model}: transformers generate, {label}")
+        peers[label] = hf_generate(path, prompts, spec.output_len, cache_kind, spec.peer_batch)
+    return {"spec": spec.__dict__, "runs": runs, "peers": peers, "ratios": _b_ratios(runs, peers)}
+
+
+def _b_ratios(runs: list[dict], peers: dict) -> dict:
+    by = {(r["placement"], r["budget_blocks"]): r.get("output_tok_per_s") for r in runs}
+    ratios = {}
+    for (placement, budget), rate in by.items():
+        if placement == "auto" and rate and by.get(("gpu", budget)):
+            ratios[f"auto/gpu@{budget}"] = rate / by[("gpu", budget)]
+        if placement == "auto" and rate and peers.get("hf_offloaded", {}).get("output_tok_per_s"):
+            ratios[f"auto/hf_offloaded@{budget}"] = rate / peers["hf_offloaded"]["output_tok_per_s"]
+    return ratios
+
+
+def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
+    path = model_dir(profile.c_model, cache)
+    prompt = random_prompts([profile.c_context], 10000 if profile.name == "full" else 400, seed=2)
+    kwargs = {**profile.llm_kwargs, "max_model_len": profile.c_context + profile.c_output + 1}
+    result = measure(path, prompt, [profile.c_output], kv_placement="auto",
+                     num_gpu_blocks=profile.c_budget_tokens // 16, **kwargs)
+    kv_bytes_per_step = (profile.c_context + profile.c_output // 2) * result["kv_bytes_per_token"]
+    bound = read_gbps * 1e9 / kv_bytes_per_step
+    decode_tok_per_s = 1e3 / result["decode_step_ms_median"]
+    return {"model": profile.c_model, "context": profile.c_context, "budget_tokens": profile.c_budget_tokens,
+            **result, "decode_tok_per_s": decode_tok_per_s, "bound_tok_per_s": bound,
+            "fraction_of_bound": decode_tok_per_s / bound}
+
+
+def plot(result: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    specs = result.get("b", [])
+    fig, axes = plt.subplots(1, max(1, len(specs)), figsize=(6 * max(1, len(specs)), 4), squeeze=False)
+    for ax, b in zip(axes[0], specs):
+        for placement in ("gpu", "auto", "cpu"):
+            points = sorted((r["device_pool_gib"], r["output_tok_per_s"]) for r in b["runs"]
+                            if r["placement"] == placement and "output_tok_per_s" in r)
+            if points:
+                ax.plot(*zip(*points), marker="o", label=f"offload-engine {placement}")
+        for label, peer in b["peers"].items():
+            if "output_tok_per_s" in peer:
+                ax.axhline(peer["output_tok_per_s"], linestyle="--", color="gray" if "dynamic" in label else "black",
+                           label=f"transformers ({label[3:]} cache)")
+        spec = b["spec"]
+        ax.set(title=f"{spec['model']}: {spec['num_seqs']} x ({spec['prompt_len']} + {spec['output_len']})",
+               xlabel="device KV budget (GiB)", ylabel="output tok/s", xscale="log")
+        ax.legend(fontsize=8)
+    fig.suptitle(f"{result['device']} ({result['host_cores']} host cores)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None) -> dict:
+    from benchmarks.bench_cpu_attention import read_ceiling_gbps
+
+    profile = PROFILES[profile_name]
+    read_gbps = read_ceiling_gbps(profile.ceiling_gb)
+    result = {"profile": profile_name, "device": device_slug(), "host_cores": os.cpu_count(),
+              "platform": platform.platform(), "torch": torch.__version__, "host_read_gbps": read_gbps}
+    print(f"host read ceiling {read_gbps:.1f} GB/s")
+    if "a" in workloads:
+        result["a"] = workload_a(profile, cache)
+        print(f"[a] output {result['a']['output_tok_per_s']:.0f} tok/s")
+    if "b" in workloads:
+        result["b"] = [workload_b(profile, spec, cache) for spec in profile.b]
+        for b in result["b"]:
+            print(f"[b] {b['spec']['model']} ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in b["ratios"].items()))
+    if "c" in workloads:
+        result["c"] = workload_c(profile, cache, read_gbps)
+        print(f"[c] decode {result['c']['decode_tok_per_s']:.2f} tok/s = {result['c']['fraction_of_bound']:.2f} "
+              f"of the host-read bound ({result['c']['bound_tok_per_s']:.2f} tok/s)")
+    out_dir = out_dir or os.path.join(RESULTS, result["device"])
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, f"offload_{profile_name}.json"), "w") as f:
+        json.dump(result, f, indent=2, default=str)
+    if "b" in result:
+        plot(result, os.path.join(out_dir, f"offload_{profile_name}.png"))
+    print(f"wrote {out_dir}/offload_{profile_name}.json")
     return result
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="qwen3-0.6b")
-    parser.add_argument("--num-seqs", type=int, default=64)
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--output-len", type=int, default=128)
-    parser.add_argument("--kv-placement", default="gpu")
-    parser.add_argument("--num-gpu-blocks", type=int, default=None)
-    parser.add_argument("--cpu-kv-cache-gb", type=float, default=None)
-    parser.add_argument("--attention-backend", default="auto")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--model-dir", default="/tmp/offload_engine_models")
-    parser.add_argument("--out", default=None, help="JSON path (default: benchmarks/results/throughput_<model>.json)")
-    args = parser.parse_args()
-    result = run(args.model, args.num_seqs, args.prompt_len, args.output_len, args.kv_placement, args.num_gpu_blocks,
-                 args.cpu_kv_cache_gb, args.attention_backend, args.model_dir, args.max_model_len, args.max_num_seqs)
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("mode", nargs="?", default="suite", choices=("suite", "single"))
+    parser.add_argument("--profile", default="small", choices=sorted(PROFILES))
+    parser.add_argument("--workloads", default="abc", help="any of a, b (with the peers, d) and c")
+    parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
+    parser.add_argument("--out-dir", default=None)
+    single = parser.add_argument_group("single run")
+    single.add_argument("--model", default="qwen3-0.6b")
+    single.add_argument("--num-seqs", type=int, default=64)
+    single.add_argument("--prompt-len", type=int, default=512)
+    single.add_argument("--output-len", type=int, default=128)
+    single.add_argument("--kv-placement", default="gpu")
+    single.add_argument("--num-gpu-blocks", type=int, default=None)
+    single.add_argument("--cpu-kv-cache-gb", type=float, default=None)
+    single.add_argument("--max-model-len", type=int, default=None)
+    single.add_argument("--max-num-seqs", type=int, default=256)
+    single.add_argument("--out", default=None, help="JSON path of a single run")
+    args = parser.parse_args(argv)
+    if args.mode == "suite":
+        run_suite(args.profile, args.workloads, args.model_cache, args.out_dir)
+        return
+    path = model_dir(args.model, args.model_cache)
+    result = measure(path, random_prompts([args.prompt_len] * args.num_seqs, 10000), [args.output_len] * args.num_seqs,
+                     kv_placement=args.kv_placement, num_gpu_blocks=args.num_gpu_blocks,
+                     cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_model_len=args.max_model_len,
+                     max_num_seqs=args.max_num_seqs)
+    result.update(model=args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
+                  kv_placement=args.kv_placement, device_name=device_slug(), torch=torch.__version__,
+                  host_cores=os.cpu_count())
     print(json.dumps(result, indent=2))
-    out = args.out or os.path.join(RESULTS, f"throughput_{args.model}.json")
-    os.makedirs(os.path.dirname(out), exist_ok=True)
-    with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

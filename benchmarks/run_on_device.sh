@@ -17,7 +17,7 @@ case "${1:-check}" in
       python3 -c "import torch, triton, numba, transformers; print(torch.__version__, triton.__version__, numba.__version__, transformers.__version__)"
       lscpu | grep -E "Model name|Flags" | cut -c1-200; } > "$OUT/env.txt" 2>&1; cat "$OUT/env.txt"
     step kernels 200 python3 benchmarks/check_gpu_kernels.py --out "$OUT/gpu_kernel_check.json"
-    step throughput 240 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --num-seqs 64 --prompt-len 512 \
+    step throughput 240 python3 benchmarks/bench_throughput.py single --model qwen3-0.6b --num-seqs 64 --prompt-len 512 \
       --output-len 128 --kv-placement gpu --out "$OUT/throughput_qwen3-0.6b_b64.json"
     step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
     ;;
@@ -28,7 +28,7 @@ case "${1:-check}" in
     ;;
   engine)
     for placement in gpu; do
-      step throughput_$placement 200 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --num-seqs 64 \
+      step throughput_$placement 200 python3 benchmarks/bench_throughput.py single --model qwen3-0.6b --num-seqs 64 \
         --prompt-len 512 --output-len 128 --kv-placement $placement --cpu-kv-cache-gb 8 --max-num-seqs 64 \
         --out "$OUT/throughput_qwen3-0.6b_b64_$placement.json"
     done
@@ -45,7 +45,7 @@ case "${1:-check}" in
     ;;
   tiers)  # the 0.6B engine run of issue 2 on each placement, at a device pool that holds ~1/3 of the batch
     for placement in gpu auto cpu; do
-      step throughput_$placement 150 python3 benchmarks/bench_throughput.py --model qwen3-0.6b --num-seqs 64 \
+      step throughput_$placement 150 python3 benchmarks/bench_throughput.py single --model qwen3-0.6b --num-seqs 64 \
         --prompt-len 512 --output-len 128 --kv-placement $placement --num-gpu-blocks 900 --cpu-kv-cache-gb 8 \
         --max-model-len 4096 --max-num-seqs 64 --out "$OUT/throughput_qwen3-0.6b_b64_900blocks_$placement.json"
     done

@@ -1,4 +1,5 @@
-"""The `offload-engine` command: `demo` (the embedded tiny model) and `generate` (a real model directory)."""
+"""The `offload-engine` command: `demo` (the embedded tiny model), `generate` (a real model directory) and
+`bench` (the offload benchmark suite)."""
 import argparse
 import json
 
@@ -14,6 +15,11 @@ def main(argv: list[str] | None = None) -> None:
     demo.add_argument("--prompt-len", type=int, default=1024)
     demo.add_argument("--max-tokens", type=int, default=64)
     demo.add_argument("--device", default=None)
+
+    bench = commands.add_parser("bench", help="the offload benchmark suite (small profile: any machine)")
+    bench.add_argument("--profile", default="small", choices=("small", "full"))
+    bench.add_argument("--workloads", default="abc")
+    bench.add_argument("--out-dir", default=None)
 
     gen = commands.add_parser("generate", help="generate text with a Hugging Face model directory")
     gen.add_argument("--model", required=True, help="directory with config.json, *.safetensors and a tokenizer")
@@ -36,6 +42,10 @@ def main(argv: list[str] | None = None) -> None:
         from offload_engine.demo import run_demo
 
         run_demo(args.requests, args.prompt_len, args.max_tokens, args.device)
+    elif args.command == "bench":
+        from benchmarks.bench_throughput import run_suite
+
+        run_suite(args.profile, args.workloads, "/tmp/offload_engine_models", args.out_dir)
     else:
         _generate(args)
 
