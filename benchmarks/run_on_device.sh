@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
-# Usage: bash benchmarks/run_on_device.sh STAGE   (stages: check, bench)
+# Usage: bash benchmarks/run_on_device.sh STAGE
+#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-a, suite-b, suite-c
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
@@ -35,6 +36,9 @@ case "${1:-check}" in
     ;;
   e2e-only)
     step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
+    ;;
+  suite-a|suite-b|suite-c)  # the offload suite at real shapes, one workload per call (each fits a 10-minute call)
+    step "$1" 560 python3 benchmarks/bench_throughput.py --profile full --workloads "${1#suite-}" --out-dir "$OUT"
     ;;
   gpu-bench)
     step gpu_attention 300 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"
