@@ -72,3 +72,24 @@ def test_string_prompts_decode_text(text_model_dir):
     assert [o.prompt for o in outputs] == ["The quick brown fox", "offload"]
     assert all(isinstance(o.text, str) and o.kv_location == "gpu" for o in outputs)
     assert outputs[0].token_ids == hf_greedy(text_model_dir, [outputs[0].prompt_token_ids], 5)[0]
+
+
+def test_stop_token_ids_end_a_request_with_stop(qwen3_dir):
+    prompt = random_prompts((20,), 256, seed=17)
+    llm = LLM(qwen3_dir, device="cpu")
+    full = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)[0]
+    stop = full.token_ids[3]
+    first = full.token_ids.index(stop)
+    out = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop_token_ids=[stop]),
+                       use_tqdm=False)[0]
+    assert out.token_ids == full.token_ids[: first + 1] and out.finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible_across_batches(qwen3_dir):
+    prompts = random_prompts((12, 30, 7), 256, seed=18)
+    llm = LLM(qwen3_dir, device="cpu", kv_placement="auto", num_gpu_blocks=3, num_cpu_blocks=16, cpu_block_size=16)
+    seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=123, ignore_eos=True)
+    alone = llm.generate(prompts[1:2], seeded, use_tqdm=False)[0].token_ids
+    batched = llm.generate(prompts, [SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), seeded,
+                                     SamplingParams(temperature=0.5, max_tokens=5)], use_tqdm=False)[1].token_ids
+    assert alone == batched and len(alone) == 12
