@@ -5,7 +5,8 @@
     python benchmarks/bench_throughput.py single --model qwen3-0.6b --num-seqs 64 ...   # one engine run
 
 Every run writes JSON (config, device, host cores, measured ceilings, per-system throughput, ratios) and a
-PNG of throughput against the device KV budget to benchmarks/results/<device>/.
+PNG of throughput against the device KV budget to benchmarks/results/<device>/. On the GPU host the suite
+runs in parts, one device call each (run_on_device.sh); `python -m benchmarks.report DIR` merges them.
 """
 import argparse
 import json
@@ -50,87 +51,89 @@ def workload_a(profile: Profile, cache: str) -> dict:
     return {"model": profile.a_model, "num_seqs": profile.a_num_seqs, "range": profile.a_range, **result}
 
 
-def workload_b(profile: Profile, spec: BeyondVram, cache: str) -> dict:
+def workload_b(profile: Profile, spec: BeyondVram, cache: str, peers: bool = True) -> dict:
     path = model_dir(spec.model, cache)
     vocab = 10000 if profile.name == "full" else 400
     prompts = random_prompts([spec.prompt_len] * spec.num_seqs, vocab, seed=1)
-    block_size = 16
-    total_blocks = spec.num_seqs * -(-(spec.prompt_len + spec.output_len) // block_size)
+    block_size, seq_len = 16, spec.prompt_len + spec.output_len
+    total_blocks = spec.num_seqs * -(-seq_len // block_size)
+    kv_gib = spec.num_seqs * seq_len * _kv_bytes_per_token(path) / 2**30
+    common = {**profile.llm_kwargs, "max_model_len": seq_len, "max_num_seqs": spec.num_seqs, "block_size": block_size}
+    if "num_cpu_blocks" not in common:
+        common["cpu_kv_cache_gb"] = round(1.1 * kv_gib + 0.5, 1)  # the whole batch fits the host tier
+    # "cpu" does not depend on the device budget: it runs once. "gpu" and "auto" run at every budget.
+    plan = [(placement, fraction) for fraction in spec.budget_fractions for placement in ("gpu", "auto")]
+    plan.append(("cpu", spec.budget_fractions[-1]))
     runs = []
-    for fraction in spec.budget_fractions:
-        for placement in ("gpu", "auto", "cpu"):
-            budget = max(1, int(total_blocks * fraction))
-            print(f"[b] {spec.model}: {placement} at {budget} device blocks ({fraction:.3f} of the batch's KV)")
-            try:
-                result = measure(path, prompts, [spec.output_len] * spec.num_seqs, kv_placement=placement,
-                                 num_gpu_blocks=budget, block_size=block_size, **profile.llm_kwargs)
-            except (ValueError, RuntimeError, torch.OutOfMemoryError) as error:
-                result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-            runs.append({"placement": placement, "budget_blocks": budget, "budget_fraction": fraction, **result})
-    peers = {}
-    for cache_kind in (None, "offloaded"):
+    for placement, fraction in plan:
+        budget = max(1, int(total_blocks * fraction))
+        print(f"[b] {spec.model}: {placement} at {budget} device blocks ({fraction:.3f} of the batch's KV)")
+        kwargs = common if placement != "gpu" else {k: v for k, v in common.items() if "cpu" not in k}
+        try:
+            result = measure(path, prompts, [spec.output_len] * spec.num_seqs, kv_placement=placement,
+                             num_gpu_blocks=budget, **kwargs)
+        except (ValueError, RuntimeError, torch.OutOfMemoryError) as error:
+            result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+        runs.append({"placement": placement, "budget_blocks": budget, "budget_fraction": fraction, **result})
+        print(f"    {result.get('output_tok_per_s', 0):.0f} output tok/s {result.get('error', '')}")
+    found = {}
+    for cache_kind in (None, "offloaded") if peers else ():
         label = f"hf_{cache_kind or 'dynamic'}"
         print(f"[d] {spec.model}: transformers generate, {label}")
-        peers[label] = hf_generate(path, prompts, spec.output_len, cache_kind, spec.peer_batch)
-    return {"spec": spec.__dict__, "runs": runs, "peers": peers, "ratios": _b_ratios(runs, peers)}
+        found[label] = hf_generate(path, prompts, spec.output_len, cache_kind, spec.peer_batch, profile.peer_seconds)
+        print(f"    {found[label].get('output_tok_per_s', 0):.0f} output tok/s {found[label].get('error', '')}")
+    return {"spec": spec.__dict__, "batch_kv_gib": kv_gib, "runs": runs, "peers": found,
+            "ratios": b_ratios(runs, found)}
 
 
-def _b_ratios(runs: list[dict], peers: dict) -> dict:
-    by = {(r["placement"], r["budget_blocks"]): r.get("output_tok_per_s") for r in runs}
+def _kv_bytes_per_token(path: str) -> int:
+    from offload_engine.config import ModelConfig
+
+    config = ModelConfig.from_model_dir(path)
+    return config.kv_bytes_per_token(config.dtype)
+
+
+def b_ratios(runs: list[dict], peers: dict) -> dict:
+    rate = {(r["placement"], r["budget_blocks"]): r.get("output_tok_per_s") for r in runs}
+    cpu = next((r.get("output_tok_per_s") for r in runs if r["placement"] == "cpu"), None)
+    offloaded = peers.get("hf_offloaded", {}).get("output_tok_per_s")
     ratios = {}
-    for (placement, budget), rate in by.items():
-        if placement == "auto" and rate and by.get(("gpu", budget)):
-            ratios[f"auto/gpu@{budget}"] = rate / by[("gpu", budget)]
-        if placement == "auto" and rate and peers.get("hf_offloaded", {}).get("output_tok_per_s"):
-            ratios[f"auto/hf_offloaded@{budget}"] = rate / peers["hf_offloaded"]["output_tok_per_s"]
+    for (placement, budget), auto in rate.items():
+        if placement != "auto" or not auto:
+            continue
+        for name, other in (("gpu", rate.get(("gpu", budget))), ("cpu", cpu), ("hf_offloaded", offloaded)):
+            if other:
+                ratios[f"auto/{name}@{budget}"] = auto / other
     return ratios
 
 
 def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
+    """One sequence whose context (prompt + output) reaches c_context tokens, on a c_budget_tokens device pool."""
     path = model_dir(profile.c_model, cache)
-    prompt = random_prompts([profile.c_context], 10000 if profile.name == "full" else 400, seed=2)
-    kwargs = {**profile.llm_kwargs, "max_model_len": profile.c_context + profile.c_output + 1}
+    prompt_len = profile.c_context - profile.c_output
+    prompt = random_prompts([prompt_len], 10000 if profile.name == "full" else 400, seed=2)
+    kwargs = {**profile.llm_kwargs, "max_model_len": profile.c_context, "max_num_seqs": 1}
+    if "num_cpu_blocks" not in kwargs:
+        kwargs["cpu_kv_cache_gb"] = round(1.1 * profile.c_context * _kv_bytes_per_token(path) / 2**30 + 0.5, 1)
     result = measure(path, prompt, [profile.c_output], kv_placement="auto",
                      num_gpu_blocks=profile.c_budget_tokens // 16, **kwargs)
-    kv_bytes_per_step = (profile.c_context + profile.c_output // 2) * result["kv_bytes_per_token"]
+    kv_bytes_per_step = (prompt_len + profile.c_output // 2) * result["kv_bytes_per_token"]  # the mean context
     bound = read_gbps * 1e9 / kv_bytes_per_step
     decode_tok_per_s = 1e3 / result["decode_step_ms_median"]
     return {"model": profile.c_model, "context": profile.c_context, "budget_tokens": profile.c_budget_tokens,
-            **result, "decode_tok_per_s": decode_tok_per_s, "bound_tok_per_s": bound,
+            **result, "decode_tok_per_s": decode_tok_per_s, "bound_tok_per_s": bound, "host_read_gbps": read_gbps,
             "fraction_of_bound": decode_tok_per_s / bound}
 
 
-def plot(result: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    specs = result.get("b", [])
-    fig, axes = plt.subplots(1, max(1, len(specs)), figsize=(6 * max(1, len(specs)), 4), squeeze=False)
-    for ax, b in zip(axes[0], specs):
-        for placement in ("gpu", "auto", "cpu"):
-            points = sorted((r["device_pool_gib"], r["output_tok_per_s"]) for r in b["runs"]
-                            if r["placement"] == placement and "output_tok_per_s" in r)
-            if points:
-                ax.plot(*zip(*points), marker="o", label=f"offload-engine {placement}")
-        for label, peer in b["peers"].items():
-            if "output_tok_per_s" in peer:
-                ax.axhline(peer["output_tok_per_s"], linestyle="--", color="gray" if "dynamic" in label else "black",
-                           label=f"transformers ({label[3:]} cache)")
-        spec = b["spec"]
-        ax.set(title=f"{spec['model']}: {spec['num_seqs']} x ({spec['prompt_len']} + {spec['output_len']})",
-               xlabel="device KV budget (GiB)", ylabel="output tok/s", xscale="log")
-        ax.legend(fontsize=8)
-    fig.suptitle(f"{result['device']} ({result['host_cores']} host cores)")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-
-
-def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None) -> dict:
+def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None, b_models: str | None = None,
+              peers: bool = True) -> dict:
+    """Runs the chosen workloads. All of them write offload_<profile>.json and its PNG; a part (some workloads,
+    or some b models) writes offload_<profile>_<part>.json, and `report.py` merges the parts."""
     from benchmarks.bench_cpu_attention import read_ceiling_gbps
+    from benchmarks.report import plot
 
     profile = PROFILES[profile_name]
+    specs = [s for s in profile.b if b_models is None or s.model in b_models.split(",")]
     read_gbps = read_ceiling_gbps(profile.ceiling_gb)
     result = {"profile": profile_name, "device": device_slug(), "host_cores": os.cpu_count(),
               "platform": platform.platform(), "torch": torch.__version__, "host_read_gbps": read_gbps}
@@ -139,7 +142,7 @@ def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None
         result["a"] = workload_a(profile, cache)
         print(f"[a] output {result['a']['output_tok_per_s']:.0f} tok/s")
     if "b" in workloads:
-        result["b"] = [workload_b(profile, spec, cache) for spec in profile.b]
+        result["b"] = [workload_b(profile, spec, cache, peers) for spec in specs]
         for b in result["b"]:
             print(f"[b] {b['spec']['model']} ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in b["ratios"].items()))
     if "c" in workloads:
@@ -148,11 +151,14 @@ def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None
               f"of the host-read bound ({result['c']['bound_tok_per_s']:.2f} tok/s)")
     out_dir = out_dir or os.path.join(RESULTS, result["device"])
     os.makedirs(out_dir, exist_ok=True)
-    with open(os.path.join(out_dir, f"offload_{profile_name}.json"), "w") as f:
+    whole = set(workloads) >= set("abc") and len(specs) == len(profile.b)
+    part = "" if whole else "_" + "-".join([w for w in "abc" if w in workloads] + [s.model for s in specs if "b" in workloads])
+    name = os.path.join(out_dir, f"offload_{profile_name}{part}")
+    with open(name + ".json", "w") as f:
         json.dump(result, f, indent=2, default=str)
-    if "b" in result:
-        plot(result, os.path.join(out_dir, f"offload_{profile_name}.png"))
-    print(f"wrote {out_dir}/offload_{profile_name}.json")
+    if result.get("b"):
+        plot(result, name + ".png")
+    print(f"wrote {name}.json")
     return result
 
 
@@ -161,6 +167,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("mode", nargs="?", default="suite", choices=("suite", "single"))
     parser.add_argument("--profile", default="small", choices=sorted(PROFILES))
     parser.add_argument("--workloads", default="abc", help="any of a, b (with the peers, d) and c")
+    parser.add_argument("--b-models", default=None, help="only these b models (comma-separated config names)")
+    parser.add_argument("--no-peers", action="store_true", help="skip transformers' generate in b")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out-dir", default=None)
     single = parser.add_argument_group("single run")
@@ -176,7 +184,7 @@ def main(argv: list[str] | None = None) -> None:
     single.add_argument("--out", default=None, help="JSON path of a single run")
     args = parser.parse_args(argv)
     if args.mode == "suite":
-        run_suite(args.profile, args.workloads, args.model_cache, args.out_dir)
+        run_suite(args.profile, args.workloads, args.model_cache, args.out_dir, args.b_models, not args.no_peers)
         return
     path = model_dir(args.model, args.model_cache)
     result = measure(path, random_prompts([args.prompt_len] * args.num_seqs, 10000), [args.output_len] * args.num_seqs,

@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
-#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-a, suite-b, suite-c
+#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b
+# The offload suite runs in three calls (suite-ac, suite-b-small, suite-b-8b); then, here:
+#   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
@@ -37,8 +39,17 @@ case "${1:-check}" in
   e2e-only)
     step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
     ;;
-  suite-a|suite-b|suite-c)  # the offload suite at real shapes, one workload per call (each fits a 10-minute call)
-    step "$1" 560 python3 benchmarks/bench_throughput.py --profile full --workloads "${1#suite-}" --out-dir "$OUT"
+  suite-ac)  # promotion stays exact on the GPU; then workloads a and c of the offload suite
+    step check_promotion 120 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
+    step suite_ac 450 python3 benchmarks/bench_throughput.py --profile full --workloads ac --out-dir "$OUT"
+    ;;
+  suite-b-small)
+    step suite_b_small 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-models qwen3-0.6b \
+      --out-dir "$OUT"
+    ;;
+  suite-b-8b)
+    step suite_b_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-models qwen3-8b \
+      --out-dir "$OUT"
     ;;
   gpu-bench)
     step gpu_attention 300 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"

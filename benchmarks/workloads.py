@@ -32,18 +32,20 @@ class Profile:
     c_budget_tokens: int
     llm_kwargs: dict = field(default_factory=dict)
     ceiling_gb: float = 4.0
+    peer_seconds: float = 90.0  # a peer generates for at most this long per workload (whole batches first)
 
 
+# Sizes for the GPU host are set so that each model's part of the suite fits one 10-minute device call: the
+# "cpu" placement reads every sequence's whole KV from host memory each step, which bounds how big b can be.
 PROFILES = {
     "full": Profile(
         name="full", a_model="qwen3-0.6b", a_num_seqs=256, a_range=(100, 1024),
-        b=(BeyondVram("qwen3-0.6b", 128, 2048, 256, (1 / 4, 1 / 8, 1 / 16), peer_batch=32),
+        b=(BeyondVram("qwen3-0.6b", 64, 2048, 256, (1 / 4, 1 / 8, 1 / 16), peer_batch=16),
            BeyondVram("qwen3-8b", 32, 4096, 128, (1 / 4, 1 / 8), peer_batch=8)),
-        c_model="qwen3-0.6b-256k", c_context=262144, c_output=16, c_budget_tokens=32768,
-        llm_kwargs=dict(cpu_kv_cache_gb=48)),
+        c_model="qwen3-0.6b-256k", c_context=262144, c_output=16, c_budget_tokens=32768),
     "small": Profile(
         name="small", a_model="tiny", a_num_seqs=24, a_range=(16, 96),
         b=(BeyondVram("tiny", 16, 192, 32, (1 / 4, 1 / 8), peer_batch=8),),
         c_model="tiny", c_context=2048, c_output=16, c_budget_tokens=512,
-        llm_kwargs=dict(max_num_seqs=32, num_cpu_blocks=256, max_model_len=4096), ceiling_gb=1.0),
+        llm_kwargs=dict(max_num_seqs=32, num_cpu_blocks=256, max_model_len=4096), ceiling_gb=1.0, peer_seconds=20.0),
 }

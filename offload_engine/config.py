@@ -95,6 +95,7 @@ class EngineConfig:
     device: str | None = None
     dtype: str = "auto"
     kv_placement: str = "auto"
+    kv_promotion: bool = True
     num_gpu_blocks: int | None = None
     num_cpu_blocks: int | None = None
     cpu_kv_cache_gb: float | None = None
@@ -120,6 +121,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_placement not in KV_PLACEMENTS:
             raise ValueError(f"kv_placement must be one of {KV_PLACEMENTS}, got {self.kv_placement!r}")
+        if not isinstance(self.kv_promotion, bool):
+            raise ValueError(f"kv_promotion must be True or False, got {self.kv_promotion!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_block_size is None:

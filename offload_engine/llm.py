@@ -14,17 +14,22 @@ from offload_engine.sampling_params import SamplingParams
 
 class LLM:
     def __init__(self, model_dir: str | None = None, device: str | None = None, dtype: str = "auto",
-                 kv_placement: str = "auto", num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
+                 kv_placement: str = "auto", kv_promotion: bool = True, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
                  cpu_kv_cache_gb: float | None = None, block_size: int = 16, cpu_block_size: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", seed: int = 0, model: str | None = None):
-        """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing."""
+        """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing.
+
+        kv_placement: "gpu", "cpu" or "auto" (engine/placement.py). kv_promotion (auto only): once the device
+        pool has room that no waiting request can take, host-tier sequences move their KV up and decode there.
+        """
         model = model_dir if model_dir is not None else model
         if model is None:
             raise ValueError("pass the model directory: LLM('path/to/model')")
         self.config = EngineConfig(
-            device=device, dtype=dtype, kv_placement=kv_placement, num_gpu_blocks=num_gpu_blocks,
+            device=device, dtype=dtype, kv_placement=kv_placement, kv_promotion=kv_promotion,
+            num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb, block_size=block_size,
             cpu_block_size=cpu_block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
@@ -137,7 +142,7 @@ class LLM:
         decoded = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else None
         return RequestOutput(prompt=text, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
                              token_ids=completion, text=decoded, finish_reason=seq.finish_reason,
-                             kv_location=seq.last_location.value)
+                             kv_location=seq.admitted_to.value, kv_promoted=seq.promoted)
 
     def close(self) -> None:
         self.engine.close()

@@ -9,4 +9,5 @@ class RequestOutput:
     token_ids: list[int]  # generated tokens only
     text: str | None  # None when the model directory has no tokenizer
     finish_reason: str  # "stop" (eos or a stop token) or "length" (max_tokens or max_model_len)
-    kv_location: str  # "gpu" or "cpu": the tier the request's KV lived on when it finished
+    kv_location: str  # "gpu" or "cpu": the tier the request's KV was placed on at admission
+    kv_promoted: bool = False  # its KV moved from the host tier to the device pool partway (kv_promotion)

@@ -2,7 +2,8 @@
 
 Each tier (`BlockLocation.GPU`: the device pool, `BlockLocation.CPU`: the pinned host pool) has its own
 `BlockPool` with its own block size. A sequence lives wholly on one tier, chosen at admission by
-`engine/placement.py`; its `block_table` indexes that tier's pool.
+`engine/placement.py`; its `block_table` indexes that tier's pool. `move` re-homes a decoding sequence (kv
+promotion from the host tier to the device pool).
 
 Prefix caching: a full block whose KV has been computed is registered under a hash chained over every token
 before it. A later sequence with the same leading tokens reuses the block (the token ids are compared, so
@@ -89,7 +90,7 @@ class BlockManager:
     def allocate(self, seq: Sequence, location: BlockLocation) -> None:
         """Gives the sequence blocks for all its tokens, reusing cached prefix blocks where they match."""
         pool = self.pools[location]
-        seq.location = seq.last_location = location
+        seq.location = seq.admitted_to = location
         # Only blocks wholly before the last token may hit: that token must be computed to give logits.
         reusable = (len(seq) - 1) // pool.block_size if pool.enable_prefix_caching else 0
         table, hits, prefix_hash = [], 0, None
@@ -116,6 +117,19 @@ class BlockManager:
             pool.release(block_id)
         seq.block_table, seq.location = [], None
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
+
+    def move(self, seq: Sequence, location: BlockLocation) -> list[int]:
+        """Re-homes a decoding sequence's computed KV on another tier: blocks there for its computed tokens (their
+        hashes registered), its old blocks released. Returns the old block table, whose blocks still hold the KV
+        until the next allocation: the caller copies it before anything else is scheduled."""
+        old_pool, new_pool = self.pools[seq.location], self.pools[location]
+        old_table = seq.block_table
+        for block_id in reversed(old_table):
+            old_pool.release(block_id)  # a registered block stays findable for prefix reuse on the old tier
+        seq.block_table = [new_pool.take_free() for _ in range(new_pool.blocks_for(seq.num_computed_tokens))]
+        seq.location, seq.num_hashed_blocks = location, 0
+        self.register_computed_blocks(seq)
+        return old_table
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the newest token: a new block is needed only when it starts one."""

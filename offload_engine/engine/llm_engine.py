@@ -5,7 +5,9 @@ milliseconds; host-tier sequences decode on a "host-lane" thread, where each ste
 attention kernel layer by layer. The lanes run at once, so the device tier never waits for the host tier:
 while one host-tier step is in flight, many device-tier steps (and prefills) go by, and its tokens are
 taken in by whichever step finds it done. All scheduling happens on the engine's thread; a sequence in
-flight is left alone until it comes back.
+flight is left alone until it comes back. Between host steps, host-tier sequences may be promoted into
+device-pool room that no waiting request could take (engine/placement.py), so the GPU lane does not idle
+while the host lane decodes the tail of a batch.
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,7 +38,7 @@ class LLMEngine:
         self.blocks = BlockManager(self.runner.num_gpu_blocks, cfg.block_size, self.runner.num_cpu_blocks,
                                    cfg.cpu_block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.kv_placement, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   max_model_len, eos_token_ids)
+                                   max_model_len, eos_token_ids, cfg.kv_promotion)
         self.host_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-lane")
         self.in_flight: tuple[list[Sequence], Future] | None = None  # the host lane's decode step
 
@@ -66,7 +68,10 @@ class LLMEngine:
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=True))
             num_tokens = sum(s.num_scheduled_tokens for s in batch)
             return StepStats(True, num_tokens, time.perf_counter() - start, finished)
-        if self.in_flight is None:
+        if self.in_flight is None:  # the host tier is at rest: its sequences may move up, the rest step on
+            moves = self.scheduler.schedule_promotions()
+            if moves:
+                self.runner.promote(moves)
             self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU))
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
         if batch:

@@ -105,6 +105,14 @@ class ModelRunner:
         if self.host_pool is not None:
             self.host_pool.close()
 
+    def promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
+        """Copies promoted sequences' KV from their old host blocks into their new device blocks."""
+        from offload_engine.engine.kv_promotion import copy_to_device
+
+        with torch.inference_mode():
+            copy_to_device(moves, self.host_pool.layers, self.device_pool, self.executor, self.backend.store_kvcache,
+                           self.cfg.block_size)
+
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, lane: str = "device") -> list[int]:

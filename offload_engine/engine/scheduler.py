@@ -5,20 +5,22 @@ A step is either a prefill step (chunks of prompts, up to `max_num_batched_token
 Prefill goes first, so new requests join the batch as soon as a tier has room for them. When a decode step
 finds no room for a sequence's next token, the newest sequence on the same tier is preempted: its blocks are
 freed and it is recomputed later. Sequences in flight in the host lane are never touched. No request is
-dropped.
+dropped. With kv_promotion ("auto"), device-pool room that no waiting request takes goes to host-tier
+sequences, which move up (schedule_promotions).
 """
 from collections import deque
 
 from offload_engine.engine.block_manager import BlockManager
-from offload_engine.engine.placement import choose_tier
+from offload_engine.engine.placement import choose_tier, promotions
 from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, kv_placement: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...]):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], kv_promotion: bool = False):
         self.blocks = blocks
         self.kv_placement = kv_placement
+        self.kv_promotion = kv_promotion and kv_placement == "auto"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -26,6 +28,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order: the newest is preempted first
         self.num_preemptions = 0
+        self.num_promotions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -73,6 +76,23 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 batch.append(seq)
         return batch
+
+    def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
+        """Host-tier sequences to move into the device pool now (engine/placement.py picks them), each with the
+        host blocks that still hold its KV. Call only when no prefill was scheduled: a waiting request that
+        the device pool can take goes first. At most max_num_batched_tokens tokens of KV move per step (at
+        least one sequence), which bounds how long one step's copy holds up the device lane."""
+        if not self.kv_promotion:
+            return []
+        moves, tokens = [], 0
+        for seq in promotions(self.running, self.blocks):
+            if moves and tokens + seq.num_computed_tokens > self.max_num_batched_tokens:
+                break
+            tokens += seq.num_computed_tokens
+            moves.append((seq, self.blocks.move(seq, BlockLocation.GPU)))
+            seq.promoted = True
+        self.num_promotions += len(moves)
+        return moves
 
     def _newest_on_tier(self, seq: Sequence) -> Sequence:
         """The most recently admitted running sequence on seq's tier (seq itself if it is the newest)."""

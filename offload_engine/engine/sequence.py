@@ -28,8 +28,9 @@ class Sequence:
         self.params = params
         self.budget = budget  # the most tokens it can ever hold: prompt + max_tokens, capped at max_model_len
         self.status = SequenceStatus.WAITING
-        self.location: BlockLocation | None = None  # chosen at admission (engine/placement.py)
-        self.last_location: BlockLocation | None = None  # kept after the blocks are freed, for the output
+        self.location: BlockLocation | None = None  # where its KV lives now (engine/placement.py decides)
+        self.admitted_to: BlockLocation | None = None  # the tier chosen at admission, kept for the output
+        self.promoted = False  # its KV moved from the host tier to the device pool (engine/kv_promotion.py)
         self.block_table: list[int] = []  # block ids in its tier's pool
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_scheduled_tokens = 0  # tokens this step computes

@@ -22,7 +22,7 @@ def test_each_tier_has_its_own_pool_and_block_size():
     assert (a.location, len(a.block_table), b.location, len(b.block_table)) == (GPU, 3, CPU, 2)
     assert blocks.pool(GPU).num_free == 1 and blocks.pool(CPU).num_free == 1
     blocks.deallocate(a)
-    assert blocks.pool(GPU).num_free == 4 and a.last_location == GPU
+    assert blocks.pool(GPU).num_free == 4 and a.admitted_to == GPU
 
 
 def test_prefix_reuse_within_a_tier_only_and_never_the_last_token():

@@ -1,0 +1,58 @@
+"""Copies promoted sequences' KV from the host pool into their new device blocks.
+
+Promotion (engine/placement.py says when) moves a decoding host-tier sequence into the device pool. Its KV
+crosses PCIe once (~55 GB/s pinned on the H200 host, about what one host decode step of it reads), and from
+then on every step of it runs at device speed.
+
+Per group of layers: the sequences' host blocks are gathered into one pinned buffer (numba, on the host
+executor: see cpu_attention/gather.py for why not a torch CPU op), cross to the device in one copy, and are
+transposed there from the host tier's head-major blocks to the token-major rows that the device backend's
+`store_kvcache` writes into the new slots.
+"""
+import numpy as np
+import torch
+
+from cpu_attention.gather import gather_blocks
+from offload_engine.engine.sequence import Sequence
+from offload_engine.engine.step_inputs import slots_for
+
+GROUP_BYTES = 256 << 20  # pinned staging per copy: bounds host memory however long the sequences are
+
+
+def copy_to_device(moves: list[tuple[Sequence, list[int]]], host_layers, device_layers, executor, store_kvcache,
+                   device_block_size: int) -> None:
+    """moves: (sequence, the host blocks holding its KV); each sequence's `block_table` already names its device
+    blocks and `num_computed_tokens` says how many tokens have KV. Returns once the host buffers are read."""
+    _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
+    device = device_layers[0][0].device
+    sources, rows, slots = [], [], []
+    for seq, host_blocks in moves:
+        num_tokens = seq.num_computed_tokens
+        # Token t of this sequence sits at row (first block's place in the gather) * block size + t.
+        rows.append(len(sources) * host_block_size + np.arange(num_tokens))
+        sources += host_blocks[: -(-num_tokens // host_block_size)]
+        slots.append(slots_for(seq.block_table, device_block_size, 0, num_tokens))
+    source = torch.tensor(sources, dtype=torch.int64)
+    rows = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
+    slots = torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True)
+    dtype = host_layers[0][0].dtype
+    layer_bytes = 2 * len(sources) * num_kv_heads * host_block_size * head_dim * dtype.itemsize
+    group = max(1, GROUP_BYTES // max(1, layer_bytes))
+    for first in range(0, len(host_layers), group):
+        layers = range(first, min(first + group, len(host_layers)))
+        # A fresh pinned buffer per group: torch's host allocator does not hand it out again until the
+        # non-blocking copy that reads it has finished.
+        staged = torch.empty((len(layers), 2, len(sources), num_kv_heads, host_block_size, head_dim), dtype=dtype,
+                             pin_memory=device.type == "cuda")
+        executor.submit(_gather_layers, host_layers, layers, source, staged).result()
+        on_device = staged.to(device, non_blocking=True)
+        for i, layer in enumerate(layers):
+            # [blocks, Hkv, block_size, D] -> token rows [blocks * block_size, Hkv, D] -> this move's tokens
+            k, v = (on_device[i, j].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[rows] for j in (0, 1))
+            store_kvcache(k, v, *device_layers[layer], slots)
+
+
+def _gather_layers(host_layers, layers: range, source: torch.Tensor, staged: torch.Tensor) -> None:
+    for i, layer in enumerate(layers):
+        for j, cache in enumerate(host_layers[layer]):
+            gather_blocks(cache, source, staged[i, j])

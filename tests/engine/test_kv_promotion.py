@@ -1,0 +1,97 @@
+"""Promotion: host-tier sequences move their KV into device-pool room that no waiting request takes."""
+import pytest
+import torch
+
+from cpu_attention import CpuAttentionExecutor
+from offload_engine import LLM, SamplingParams
+from offload_engine.engine import kv_promotion
+from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.layers import torch_attention
+from tests.oracle import hf_greedy, random_prompts
+
+GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
+
+
+def _tokens_of(cache: torch.Tensor, block_table: list[int], num_tokens: int, head_major: bool) -> torch.Tensor:
+    """[num_tokens, Hkv, D] read token by token from either tier's layout (the reference for the copy)."""
+    size = cache.shape[2] if head_major else cache.shape[1]
+    rows = [cache[block_table[t // size], :, t % size] if head_major else cache[block_table[t // size], t % size]
+            for t in range(num_tokens)]
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_bytes", [1, 1 << 30])  # a layer per group, and every layer in one group
+def test_copy_moves_every_token_to_its_new_device_slot(dtype, group_bytes, monkeypatch):
+    monkeypatch.setattr(kv_promotion, "GROUP_BYTES", group_bytes)
+    gen = torch.Generator().manual_seed(7)
+    layers, hkv, d, host_bs, dev_bs = 3, 2, 8, 8, 4
+    host = [tuple(torch.randn(12, hkv, host_bs, d, generator=gen).to(dtype) for _ in "kv") for _ in range(layers)]
+    device = [tuple(torch.full((20, dev_bs, hkv, d), float("nan"), dtype=dtype) for _ in "kv") for _ in range(layers)]
+    # Lengths at, just past and well inside block boundaries of both tiers; host blocks shuffled.
+    lengths, host_tables, dev_tables = (8, 13, 1), ([5, 2], [11, 0], [7]), ([3, 9], [0, 17, 4, 12], [19])
+    moves = []
+    for n, host_table, dev_table in zip(lengths, host_tables, dev_tables):
+        seq = Sequence(list(range(n + 1)), SamplingParams(), budget=n + 4)
+        seq.num_computed_tokens, seq.block_table = n, dev_table
+        moves.append((seq, host_table))
+    with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
+        kv_promotion.copy_to_device(moves, host, device, executor, torch_attention.store_kvcache, dev_bs)
+    for (seq, host_table), n in zip(moves, lengths):
+        for layer in range(layers):
+            for which in (0, 1):
+                want = _tokens_of(host[layer][which], host_table, n, head_major=True)
+                got = _tokens_of(device[layer][which], seq.block_table, n, head_major=False)
+                assert torch.equal(got, want)
+    written = sum(int((~torch.isnan(k.float())).all(dim=(2, 3)).sum()) for k, _ in device) // layers
+    assert written == sum(lengths)  # no slot beyond the sequences' tokens was touched
+
+
+def test_move_re_homes_the_blocks_and_registers_them_for_prefix_reuse():
+    blocks = BlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=4, cpu_block_size=8)
+    seq = Sequence(list(range(11)), SamplingParams(), budget=20)
+    blocks.allocate(seq, CPU)
+    seq.num_computed_tokens = 10  # decoding: all but the newest token have KV
+    old = blocks.move(seq, GPU)
+    assert len(old) == 2 and blocks.pool(CPU).num_free == 4
+    assert seq.location == GPU and seq.admitted_to == CPU and len(seq.block_table) == 3
+    assert blocks.pool(GPU).num_free == 5 and seq.num_hashed_blocks == 2
+    again = Sequence(list(range(9)), SamplingParams(), budget=12)
+    blocks.allocate(again, GPU)
+    assert again.num_computed_tokens == 8 and again.block_table[:2] == seq.block_table[:2]
+
+
+def _promoted_run(model_dir, prompts, max_tokens, **kwargs):
+    llm = LLM(model_dir, device="cpu", kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
+              cpu_block_size=16, **kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def test_host_sequences_move_up_when_the_device_lane_runs_dry_and_stay_exact(qwen3_dir):
+    # Budgets of 44-45 tokens take 3 device blocks each: the first two fill the 6-block pool, the long
+    # ones go to the host and move up once the short ones have finished.
+    prompts = random_prompts((40, 41, 39, 42), 256, seed=60)
+    max_tokens = (4, 4, 24, 24)
+    llm, outputs = _promoted_run(qwen3_dir, prompts, max_tokens)
+    assert [o.kv_location for o in outputs] == ["gpu", "gpu", "cpu", "cpu"]
+    assert [o.kv_promoted for o in outputs][:3] == [False, False, True]
+    assert llm.engine.scheduler.num_promotions >= 1 and llm.engine.scheduler.num_preemptions == 0
+    for output, ref, n in zip(outputs, hf_greedy(qwen3_dir, prompts, 24), max_tokens):
+        assert output.token_ids == ref[:n]
+    gpu = llm.engine.blocks.pool(GPU)
+    assert gpu.num_free == gpu.num_blocks  # every moved sequence gave its device blocks back
+
+
+def test_without_promotion_host_sequences_stay_on_the_host(qwen3_dir):
+    prompts = random_prompts((40, 41, 39, 42), 256, seed=60)
+    llm, outputs = _promoted_run(qwen3_dir, prompts, (4, 4, 24, 24), kv_promotion=False)
+    assert not any(o.kv_promoted for o in outputs) and llm.engine.scheduler.num_promotions == 0
+    assert [o.kv_location for o in outputs] == ["gpu", "gpu", "cpu", "cpu"]
+
+
+def test_kv_promotion_must_be_a_bool(qwen3_dir):
+    with pytest.raises(ValueError, match="kv_promotion"):
+        LLM(qwen3_dir, device="cpu", kv_promotion="yes")
+
