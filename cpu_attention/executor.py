@@ -13,20 +13,21 @@ import torch
 
 from cpu_attention.decode import CACHE_DTYPES, paged_decode_attention
 from cpu_attention.gather import gather_blocks
-from cpu_attention.store import store_kvcache
+from cpu_attention.store import PARALLEL_MIN_TOKENS, store_kvcache
 
 
 class CpuAttentionExecutor:
     """submit(fn, *args, **kwargs) -> Future on the single worker thread "cpu-attention"."""
 
     def __init__(self, num_threads: int | None = None, warm: bool = True):
-        """num_threads: numba threads for the kernels; by default all cores but one, which stays free for the
-        engine's main thread (it keeps launching GPU work while the host kernel runs, and a kernel thread that
-        loses its core to it holds up the whole kernel). warm: compile (or load from numba's on-disk cache)
+        """num_threads: numba threads for the kernels; by default all cores but two, which stay free for the
+        engine's two Python threads: the main thread keeps launching device-lane steps while the host kernel
+        runs, the host-lane thread launches the host tier's steps, and a kernel thread that loses its core to
+        either holds up the whole kernel. warm: compile (or load from numba's on-disk cache)
         every kernel specialization on the worker now, ahead of the first step."""
         cores = numba.config.NUMBA_NUM_THREADS
         if num_threads is None:
-            num_threads = max(1, cores - 1)
+            num_threads = max(1, cores - 2)
         if not 1 <= num_threads <= cores:
             raise ValueError(f"CpuAttentionExecutor: num_threads must be in 1..{cores} (NUMBA_NUM_THREADS), got "
                              f"{num_threads}")
@@ -64,6 +65,10 @@ def warmup(dtypes=CACHE_DTYPES, head_dim: int = 8, block_size: int = 4) -> None:
         key = torch.ones(1, 1, head_dim, dtype=dtype)
         for slot_dtype in (torch.int32, torch.int64):
             store_kvcache(key, key, k_cache, v_cache, torch.zeros(1, dtype=slot_dtype))
+        # The parallel store (prefill-sized writes): every slot -1, so it compiles without writing.
+        many = PARALLEL_MIN_TOKENS
+        store_kvcache(key.expand(many, 1, head_dim).contiguous(), key.expand(many, 1, head_dim).contiguous(),
+                      k_cache, v_cache, torch.full((many,), -1, dtype=torch.int64))
         q = torch.ones(1, 2, head_dim, dtype=dtype)
         paged_decode_attention(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 1.0)

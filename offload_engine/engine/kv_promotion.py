@@ -9,6 +9,8 @@ executor: see cpu_attention/gather.py for why not a torch CPU op), cross to the 
 transposed there from the host tier's head-major blocks to the token-major rows that the device backend's
 `store_kvcache` writes into the new slots.
 """
+from collections import deque
+
 import numpy as np
 import torch
 
@@ -35,21 +37,36 @@ def copy_to_device(moves: list[tuple[Sequence, list[int]]], host_layers, device_
     source = torch.tensor(sources, dtype=torch.int64)
     rows = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
     slots = torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True)
-    dtype = host_layers[0][0].dtype
-    layer_bytes = 2 * len(sources) * num_kv_heads * host_block_size * head_dim * dtype.itemsize
+    layer_bytes = 2 * len(sources) * num_kv_heads * host_block_size * head_dim * host_layers[0][0].element_size()
     group = max(1, GROUP_BYTES // max(1, layer_bytes))
-    for first in range(0, len(host_layers), group):
-        layers = range(first, min(first + group, len(host_layers)))
-        # A fresh pinned buffer per group: torch's host allocator does not hand it out again until the
-        # non-blocking copy that reads it has finished.
-        staged = torch.empty((len(layers), 2, len(sources), num_kv_heads, host_block_size, head_dim), dtype=dtype,
-                             pin_memory=device.type == "cuda")
-        executor.submit(_gather_layers, host_layers, layers, source, staged).result()
-        on_device = staged.to(device, non_blocking=True)
-        for i, layer in enumerate(layers):
-            # [blocks, Hkv, block_size, D] -> token rows [blocks * block_size, Hkv, D] -> this move's tokens
-            k, v = (on_device[i, j].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[rows] for j in (0, 1))
-            store_kvcache(k, v, *device_layers[layer], slots)
+    groups = [range(first, min(first + group, len(host_layers))) for first in range(0, len(host_layers), group)]
+    # Two groups in flight: the executor gathers the next group while this one crosses PCIe and is stored.
+    pending = deque()
+    for layers in groups:
+        pending.append(_start_gather(executor, host_layers, layers, source, device))
+        if len(pending) == 2:
+            _store_group(*pending.popleft(), device_layers, rows, slots, store_kvcache)
+    while pending:
+        _store_group(*pending.popleft(), device_layers, rows, slots, store_kvcache)
+
+
+def _start_gather(executor, host_layers, layers: range, source: torch.Tensor, device: torch.device):
+    _, num_kv_heads, block_size, head_dim = host_layers[0][0].shape
+    # A fresh pinned buffer per group: torch's host allocator does not hand it out again until the
+    # non-blocking copy that reads it has finished.
+    staged = torch.empty((len(layers), 2, source.numel(), num_kv_heads, block_size, head_dim),
+                         dtype=host_layers[0][0].dtype, pin_memory=device.type == "cuda")
+    return layers, staged, executor.submit(_gather_layers, host_layers, layers, source, staged)
+
+
+def _store_group(layers: range, staged: torch.Tensor, gathered, device_layers, rows, slots, store_kvcache) -> None:
+    gathered.result()
+    on_device = staged.to(device_layers[0][0].device, non_blocking=True)
+    num_kv_heads, head_dim = staged.shape[3], staged.shape[5]
+    for i, layer in enumerate(layers):
+        # [blocks, Hkv, block_size, D] -> token rows [blocks * block_size, Hkv, D] -> the moved tokens
+        k, v = (on_device[i, j].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[rows] for j in (0, 1))
+        store_kvcache(k, v, *device_layers[layer], slots)
 
 
 def _gather_layers(host_layers, layers: range, source: torch.Tensor, staged: torch.Tensor) -> None:

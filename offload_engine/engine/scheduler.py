@@ -79,17 +79,13 @@ class Scheduler:
 
     def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
         """Host-tier sequences to move into the device pool now (engine/placement.py picks them), each with the
-        host blocks that still hold its KV. Call only when no prefill was scheduled: a waiting request that
-        the device pool can take goes first. At most max_num_batched_tokens tokens of KV move per step (at
-        least one sequence), which bounds how long one step's copy holds up the device lane."""
+        host blocks that still hold its KV. Call only when no prefill was scheduled (a waiting request that the
+        device pool can take goes first) and the host lane is at rest. Every sequence that fits moves at once:
+        once the next host step starts, the rest would be in flight, out of reach for its whole length."""
         if not self.kv_promotion:
             return []
-        moves, tokens = [], 0
-        for seq in promotions(self.running, self.blocks):
-            if moves and tokens + seq.num_computed_tokens > self.max_num_batched_tokens:
-                break
-            tokens += seq.num_computed_tokens
-            moves.append((seq, self.blocks.move(seq, BlockLocation.GPU)))
+        moves = [(seq, self.blocks.move(seq, BlockLocation.GPU)) for seq in promotions(self.running, self.blocks)]
+        for seq, _ in moves:
             seq.promoted = True
         self.num_promotions += len(moves)
         return moves

@@ -16,11 +16,12 @@ def _random_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, gen):
     return torch.randn(num_blocks, num_kv_heads, block_size, head_dim, generator=gen).to(dtype)
 
 
+@pytest.mark.parametrize("n", (40, 90), ids=("serial", "parallel"))  # around PARALLEL_MIN_TOKENS
 @pytest.mark.parametrize("slot_dtype", (torch.int32, torch.int64), ids=str)
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_writes_exactly_the_addressed_slots(dtype, slot_dtype):
+def test_writes_exactly_the_addressed_slots(dtype, slot_dtype, n):
     gen = torch.Generator().manual_seed(11)
-    num_blocks, num_kv_heads, block_size, head_dim, n = 6, 3, 16, 24, 40
+    num_blocks, num_kv_heads, block_size, head_dim = 6, 3, 16, 24
     k_cache = _random_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, gen)
     v_cache = _random_cache(num_blocks, num_kv_heads, block_size, head_dim, dtype, gen)
     k_cache[0, 0, 0, 0] = v_cache[1, 1, 1, 1] = float("nan")  # untouched slots must keep even their NaNs
