@@ -5,9 +5,10 @@ milliseconds; host-tier sequences decode on a "host-lane" thread, where each ste
 attention kernel layer by layer. The lanes run at once, so the device tier never waits for the host tier:
 while one host-tier step is in flight, many device-tier steps (and prefills) go by, and its tokens are
 taken in by whichever step finds it done. All scheduling happens on the engine's thread; a sequence in
-flight is left alone until it comes back. Between host steps, host-tier sequences may be promoted into
+flight is left alone until it comes back. Host-tier sequences that are not in flight may be promoted into
 device-pool room that no waiting request could take (engine/placement.py), so the GPU lane does not idle
-while the host lane decodes the tail of a batch.
+while the host lane decodes the tail of a batch; those that room is about to free up for sit out the
+next host step (Scheduler.promotion_hold_back), so they are at hand when it does.
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -41,6 +42,9 @@ class LLMEngine:
                                    max_model_len, eos_token_ids, cfg.kv_promotion)
         self.host_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-lane")
         self.in_flight: tuple[list[Sequence], Future] | None = None  # the host lane's decode step
+        # The latest step times of each lane: how many device steps one host step spans (promotion look-ahead).
+        self.host_step_seconds = self.device_step_seconds = 0.0
+        self.host_step_began = 0.0
 
     def make_sequence(self, token_ids: list[int], params) -> Sequence:
         """A sequence for the request, or ValueError if no pool it may use could ever hold it."""
@@ -68,14 +72,18 @@ class LLMEngine:
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=True))
             num_tokens = sum(s.num_scheduled_tokens for s in batch)
             return StepStats(True, num_tokens, time.perf_counter() - start, finished)
-        if self.in_flight is None:  # the host tier is at rest: its sequences may move up, the rest step on
-            moves = self.scheduler.schedule_promotions()
-            if moves:
-                self.runner.promote(moves)
-            self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU))
+        moves = self.scheduler.schedule_promotions()  # host-tier sequences not in flight, into free device room
+        if moves:
+            self.runner.promote(moves)
+        if self.in_flight is None:
+            horizon = self.host_step_seconds / max(self.device_step_seconds, 1e-4) + 1
+            self._start_host_step(self.scheduler.schedule_decode(
+                BlockLocation.CPU, hold_back=self.scheduler.promotion_hold_back(horizon)))
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
         if batch:
+            began = time.perf_counter()
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=False))
+            self.device_step_seconds = time.perf_counter() - began
             num_tokens += len(batch)
         elif self.in_flight is not None:
             more, count = self._take_host_step(wait=True)  # nothing else to do until it is back
@@ -89,6 +97,7 @@ class LLMEngine:
             return
         for seq in batch:
             seq.in_flight = True
+        self.host_step_began = time.perf_counter()
         self.in_flight = (batch, self.host_lane.submit(self.runner.run, batch, False, "host"))
 
     def _take_host_step(self, wait: bool) -> tuple[list[Sequence], int]:
@@ -97,6 +106,7 @@ class LLMEngine:
             return [], 0
         batch, future = self.in_flight
         self.in_flight = None
+        self.host_step_seconds = time.perf_counter() - self.host_step_began
         for seq in batch:
             seq.in_flight = False
         return self.scheduler.postprocess(batch, future.result()), len(batch)

@@ -37,11 +37,12 @@ def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[
     return None
 
 
-def promotions(running: Iterable[Sequence], blocks: BlockManager) -> Iterator[Sequence]:
+def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: int = 0) -> Iterator[Sequence]:
     """Host-tier sequences, oldest first, whose whole budget the device pool has room for (each one taken
-    reserves its budget for the next), skipping those in flight or still in prefill."""
+    reserves its budget for the next), skipping those in flight or still in prefill. extra_room: blocks
+    that are about to free up, to ask which sequences will fit then."""
     gpu = blocks.pool(BlockLocation.GPU)
-    room = _device_room(running, blocks)
+    room = _device_room(running, blocks) + extra_room
     for seq in running:
         if seq.location != BlockLocation.CPU or seq.in_flight or seq.in_prefill:
             continue

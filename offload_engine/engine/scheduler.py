@@ -60,11 +60,13 @@ class Scheduler:
         seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
         return seq.num_scheduled_tokens
 
-    def schedule_decode(self, tier: BlockLocation) -> list[Sequence]:
-        """One token for every running, prefilled sequence on `tier` that is not in flight."""
+    def schedule_decode(self, tier: BlockLocation, hold_back: frozenset[int] = frozenset()) -> list[Sequence]:
+        """One token for every running, prefilled sequence on `tier` that is not in flight or held back."""
         batch = []
         for seq in list(self.running):
             if seq.location != tier or seq.in_flight or seq.in_prefill or seq.status != SequenceStatus.RUNNING:
+                continue
+            if seq.seq_id in hold_back:
                 continue
             while not self.blocks.can_append(seq):
                 victim = self._newest_on_tier(seq)
@@ -79,9 +81,9 @@ class Scheduler:
 
     def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
         """Host-tier sequences to move into the device pool now (engine/placement.py picks them), each with the
-        host blocks that still hold its KV. Call only when no prefill was scheduled (a waiting request that the
-        device pool can take goes first) and the host lane is at rest. Every sequence that fits moves at once:
-        once the next host step starts, the rest would be in flight, out of reach for its whole length."""
+        host blocks that still hold its KV. Call only when no prefill was scheduled: a waiting request that the
+        device pool can take goes first. Sequences in the host step in flight are passed over, so every one
+        that fits moves at once (promotion_hold_back keeps the next ones out of the host step)."""
         if not self.kv_promotion:
             return []
         moves = [(seq, self.blocks.move(seq, BlockLocation.GPU)) for seq in promotions(self.running, self.blocks)]
@@ -89,6 +91,20 @@ class Scheduler:
             seq.promoted = True
         self.num_promotions += len(moves)
         return moves
+
+    def promotion_hold_back(self, horizon_steps: float) -> frozenset[int]:
+        """Host-tier sequences to keep out of the next host step because device-pool room for them frees up
+        before that step would be back: device-tier sequences within `horizon_steps` tokens of their budget
+        end by then. In the step they would have made one token; held back, they move up the moment the room
+        is there instead of a whole host step later, while the device lane runs dry."""
+        if not self.kv_promotion:
+            return frozenset()
+        gpu = self.blocks.pool(BlockLocation.GPU)
+        freeing = sum(gpu.blocks_for(s.budget) for s in self.running
+                      if s.location == BlockLocation.GPU and not s.in_prefill and s.tokens_left <= horizon_steps)
+        if not freeing:
+            return frozenset()
+        return frozenset(s.seq_id for s in promotions(self.running, self.blocks, extra_room=freeing))
 
     def _newest_on_tier(self, seq: Sequence) -> Sequence:
         """The most recently admitted running sequence on seq's tier (seq itself if it is the newest)."""

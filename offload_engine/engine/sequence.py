@@ -51,6 +51,11 @@ class Sequence:
         return len(self) - self.num_computed_tokens
 
     @property
+    def tokens_left(self) -> int:
+        """Tokens it may still generate before its budget ends it (eos may end it sooner)."""
+        return self.budget - len(self)
+
+    @property
     def in_prefill(self) -> bool:
         """More than the one newest token lacks KV: the next step for it is a (chunked) prefill."""
         return self.num_uncomputed_tokens > 1 or self.num_computed_tokens == 0

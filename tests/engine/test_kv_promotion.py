@@ -6,7 +6,7 @@ from cpu_attention import CpuAttentionExecutor
 from offload_engine import LLM, SamplingParams
 from offload_engine.engine import kv_promotion
 from offload_engine.engine.block_manager import BlockManager
-from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
 from offload_engine.layers import torch_attention
 from tests.oracle import hf_greedy, random_prompts
 
@@ -95,3 +95,25 @@ def test_kv_promotion_must_be_a_bool(qwen3_dir):
     with pytest.raises(ValueError, match="kv_promotion"):
         LLM(qwen3_dir, device="cpu", kv_promotion="yes")
 
+
+
+def test_host_sequences_that_room_frees_up_for_sit_out_the_next_host_step():
+    from offload_engine.engine.scheduler import Scheduler
+
+    blocks = BlockManager(num_gpu_blocks=4, block_size=4, num_cpu_blocks=16, cpu_block_size=4)
+    scheduler = Scheduler(blocks, "auto", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                          eos_token_ids=(), kv_promotion=True)
+    ending = Sequence(list(range(12)), SamplingParams(max_tokens=4), budget=16)  # 4 device blocks: the whole pool
+    first, second = (Sequence(list(range(n)), SamplingParams(max_tokens=4), budget=n + 4) for n in (8, 9))
+    for seq, tier in ((ending, GPU), (first, CPU), (second, CPU)):
+        blocks.allocate(seq, tier)
+        seq.num_computed_tokens, seq.status = len(seq) - 1, SequenceStatus.RUNNING  # decoding
+        scheduler.running.append(seq)
+    # `ending` has 4 tokens left: within a 5-step horizon its 4 blocks free up, enough for `first` (3 blocks)
+    # but not for both (3 + 4).
+    assert scheduler.promotion_hold_back(horizon_steps=5) == {first.seq_id}
+    assert scheduler.promotion_hold_back(horizon_steps=2) == frozenset()
+    host_batch = scheduler.schedule_decode(CPU, hold_back=scheduler.promotion_hold_back(5))
+    assert host_batch == [second]
+    scheduler.finish(ending)
+    assert [seq for seq, _ in scheduler.schedule_promotions()] == [first] and first.location == GPU
