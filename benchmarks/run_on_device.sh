@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
-#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b
+#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b, suite-ac-8b
 # The offload suite runs in three calls (suite-ac, suite-b-small, suite-b-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
@@ -42,6 +42,12 @@ case "${1:-check}" in
   suite-ac)  # promotion stays exact on the GPU; then workloads a and c of the offload suite
     step check_promotion 120 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
     step suite_ac 450 python3 benchmarks/bench_throughput.py --profile full --workloads ac --out-dir "$OUT"
+    ;;
+  suite-ac-8b)  # suite-ac and suite-b-8b in one call (one machine start), with shorter limits
+    step check_promotion 80 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
+    step suite_ac 200 python3 benchmarks/bench_throughput.py --profile full --workloads ac --out-dir "$OUT"
+    step suite_b_8b 300 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-models qwen3-8b \
+      --out-dir "$OUT"
     ;;
   suite-b-small)
     step suite_b_small 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-models qwen3-0.6b \
