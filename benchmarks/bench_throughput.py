@@ -14,6 +14,7 @@ import os
 import platform
 import random
 import re
+import time
 
 import torch
 
@@ -136,7 +137,8 @@ def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None
     specs = [s for s in profile.b if b_models is None or s.model in b_models.split(",")]
     read_gbps = read_ceiling_gbps(profile.ceiling_gb)
     result = {"profile": profile_name, "device": device_slug(), "host_cores": os.cpu_count(),
-              "platform": platform.platform(), "torch": torch.__version__, "host_read_gbps": read_gbps}
+              "platform": platform.platform(), "torch": torch.__version__, "host_read_gbps": read_gbps,
+              "date": time.strftime("%Y-%m-%d")}
     print(f"host read ceiling {read_gbps:.1f} GB/s")
     if "a" in workloads:
         result["a"] = workload_a(profile, cache)

@@ -18,7 +18,8 @@ def merge(out_dir: str, profile: str) -> dict:
     for path in sorted(glob.glob(os.path.join(out_dir, f"offload_{profile}_*.json"))):
         with open(path) as f:
             part = json.load(f)
-        merged["parts"].append({"file": os.path.basename(path), "host_read_gbps": part["host_read_gbps"]})
+        merged["parts"].append({"file": os.path.basename(path), "host_read_gbps": part["host_read_gbps"],
+                                "date": part.get("date", _modified(path))})
         for key in ("profile", "device", "host_cores", "platform", "torch"):
             merged.setdefault(key, part[key])
         merged["b"] += part.get("b", [])
@@ -67,7 +68,8 @@ def plot(result: dict, path: str) -> None:
 
 def headline(result: dict) -> str:
     """A markdown table of every measured rate and the ratios the product claims."""
-    lines = [(f"Measured {time.strftime('%Y-%m-%d')} on {result['device']} ({result['host_cores']} host cores), "
+    dates = sorted({p["date"] for p in result.get("parts", [])}) or [result.get("date", "?")]
+    lines = [(f"Measured {' to '.join(dict.fromkeys((dates[0], dates[-1])))} on {result['device']} ({result['host_cores']} host cores), "
               f"torch {result['torch']}; output tok/s."), "",
              "| workload | budget (GiB of device KV) | gpu | auto | cpu | auto/gpu | auto/HF offloaded |",
              "|---|---|---|---|---|---|---|"]
@@ -96,6 +98,11 @@ def headline(result: dict) -> str:
                      f"host-read bound** ({c['bound_tok_per_s']:.2f} tok/s at {c['host_read_gbps']:.0f}"
                      " GB/s).")
     return "\n".join(lines)
+
+
+def _modified(path: str) -> str:
+    """The date a part was written, for parts from before results carried their own."""
+    return time.strftime("%Y-%m-%d", time.localtime(os.path.getmtime(path)))
 
 
 def _n(rate) -> str:
