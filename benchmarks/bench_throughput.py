@@ -61,7 +61,7 @@ def workload_b(profile: Profile, spec: BeyondVram, cache: str, peers: bool = Tru
     kv_gib = spec.num_seqs * seq_len * _kv_bytes_per_token(path) / 2**30
     common = {**profile.llm_kwargs, "max_model_len": seq_len, "max_num_seqs": spec.num_seqs, "block_size": block_size}
     if "num_cpu_blocks" not in common:
-        common["cpu_kv_cache_gb"] = round(1.1 * kv_gib + 0.5, 1)  # the whole batch fits the host tier
+        common["cpu_kv_cache_gb"] = _host_pool_gb(kv_gib)  # the whole batch fits the host tier
     # "cpu" does not depend on the device budget: it runs once. "gpu" and "auto" run at every budget.
     plan = [(placement, fraction) for fraction in spec.budget_fractions for placement in ("gpu", "auto")]
     plan.append(("cpu", spec.budget_fractions[-1]))
@@ -85,6 +85,11 @@ def workload_b(profile: Profile, spec: BeyondVram, cache: str, peers: bool = Tru
         print(f"    {found[label].get('output_tok_per_s', 0):.0f} output tok/s {found[label].get('error', '')}")
     return {"spec": spec.__dict__, "batch_kv_gib": kv_gib, "runs": runs, "peers": found,
             "ratios": b_ratios(runs, found)}
+
+
+def _host_pool_gb(kv_gib: float) -> float:
+    """A host pool that holds kv_gib of KV, with room for blocks the sequences leave part-filled."""
+    return round(1.1 * kv_gib + 0.5, 1)
 
 
 def _kv_bytes_per_token(path: str) -> int:
@@ -115,7 +120,7 @@ def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
     prompt = random_prompts([prompt_len], 10000 if profile.name == "full" else 400, seed=2)
     kwargs = {**profile.llm_kwargs, "max_model_len": profile.c_context, "max_num_seqs": 1}
     if "num_cpu_blocks" not in kwargs:
-        kwargs["cpu_kv_cache_gb"] = round(1.1 * profile.c_context * _kv_bytes_per_token(path) / 2**30 + 0.5, 1)
+        kwargs["cpu_kv_cache_gb"] = _host_pool_gb(profile.c_context * _kv_bytes_per_token(path) / 2**30)
     result = measure(path, prompt, [profile.c_output], kv_placement="auto",
                      num_gpu_blocks=profile.c_budget_tokens // 16, **kwargs)
     kv_bytes_per_step = (prompt_len + profile.c_output // 2) * result["kv_bytes_per_token"]  # the mean context
