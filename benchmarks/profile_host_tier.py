@@ -85,7 +85,7 @@ def main() -> None:
         ms = (time.perf_counter() - start) * 1e3
         kv = int(meta.context_lens_cpu.sum()) * 2 * layer.k_cache_cpu.shape[1] * layer.k_cache_cpu.shape[3] * 2 * 28
         print(f"standalone, main thread, {threads} threads: 28 layers {ms:.2f} ms = {kv / ms / 1e6:.1f} GB/s")
-    engine.abort(list(engine.scheduler.running) + list(engine.scheduler.waiting))
+    engine.abort()
     llm.close()
 
 

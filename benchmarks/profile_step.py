@@ -31,7 +31,7 @@ def main() -> None:
         times = [engine.step().seconds for _ in range(10)]
     print(f"{args.kv_placement}: decode step {1e3 * sorted(times)[5]:.2f} ms (median of 10), batch {args.num_seqs}")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25, max_name_column_width=60))
-    engine.abort(list(engine.scheduler.running) + list(engine.scheduler.waiting))
+    engine.abort()
     llm.close()
 
 

@@ -6,6 +6,7 @@ thread-safe, but which one numba picks depends on the host). One worker serializ
 layer, and keeps a layer's K/V write ordered before the decode that reads it. The kernels release the GIL,
 so the engine's main thread keeps driving the GPU meanwhile.
 """
+import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numba
@@ -19,12 +20,14 @@ from cpu_attention.store import PARALLEL_MIN_TOKENS, store_kvcache
 class CpuAttentionExecutor:
     """submit(fn, *args, **kwargs) -> Future on the single worker thread "cpu-attention"."""
 
-    def __init__(self, num_threads: int | None = None, warm: bool = True):
+    def __init__(self, num_threads: int | None = None, warm: bool = True, dtypes: tuple = CACHE_DTYPES):
         """num_threads: numba threads for the kernels; by default all cores but two, which stay free for the
         engine's two Python threads: the main thread keeps launching device-lane steps while the host kernel
         runs, the host-lane thread launches the host tier's steps, and a kernel thread that loses its core to
         either holds up the whole kernel. warm: compile (or load from numba's on-disk cache)
-        every kernel specialization on the worker now, ahead of the first step."""
+        the kernels for `dtypes` (the caches' element types in use) on the worker now, ahead of the first step.
+        A first-ever compile costs ~18 s per dtype on the GPU host (the parallel decode kernel), so the engine
+        asks for its own dtype only and starts this before it loads the weights."""
         cores = numba.config.NUMBA_NUM_THREADS
         if num_threads is None:
             num_threads = max(1, cores - 2)
@@ -32,19 +35,23 @@ class CpuAttentionExecutor:
             raise ValueError(f"CpuAttentionExecutor: num_threads must be in 1..{cores} (NUMBA_NUM_THREADS), got "
                              f"{num_threads}")
         self.num_threads = num_threads
+        # numba's thread count is per calling thread: set it on the worker. (A bound method as initializer
+        # would let the worker thread keep this object alive until shutdown.)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attention",
-                                        initializer=self._set_threads)
-        self._warm = self._pool.submit(warmup) if warm else None
-
-    def _set_threads(self) -> None:
-        numba.set_num_threads(self.num_threads)  # numba's thread count is per calling thread: set it here
+                                        initializer=numba.set_num_threads, initargs=(num_threads,))
+        self._warm = self._pool.submit(_timed, warmup, dtypes) if warm else None
 
     def submit(self, fn, *args, **kwargs) -> Future:
         return self._pool.submit(fn, *args, **kwargs)
 
-    def warmup(self) -> None:
-        """Blocks until the kernels are compiled (the constructor already started it when warm=True)."""
-        (self._warm or self._pool.submit(warmup)).result()
+    def warmup(self) -> float:
+        """Blocks until the kernels are compiled (the constructor already started it when warm=True); returns
+        the seconds the compile (or the load from numba's cache) took on the worker."""
+        return (self._warm or self._pool.submit(_timed, warmup)).result()
+
+    def drain(self) -> None:
+        """Blocks until every call submitted so far has run (they run in order on one thread)."""
+        self._pool.submit(lambda: None).result()
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=True)
@@ -54,6 +61,12 @@ class CpuAttentionExecutor:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def _timed(fn, *args) -> float:
+    began = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - began
 
 
 def warmup(dtypes=CACHE_DTYPES, head_dim: int = 8, block_size: int = 4) -> None:

@@ -1,9 +1,23 @@
-"""The host KV tier's memory: per-layer head-major K and V tensors, pinned when CUDA is present.
+"""The host KV tier's memory: per-layer head-major K and V tensors in one mapping, pinned when CUDA is present.
 
 Layout `[num_blocks, Hkv, block_size, D]`: one (block, head) is one contiguous run of block_size * D values
 that a host thread streams (see decode.py). Pinned memory cannot be swapped out, so the pool is sized
 against what the host can spare (`psutil`), never more; a request beyond that is refused up front.
+
+Every layer's K and V are views into one anonymous mapping, advised to use transparent huge pages: a 2 MiB
+page faults in and page-locks in one go where a 4 KiB page takes 512, and one range pins in chunks on
+several threads (host_pinning.py). Pinning starts when the pool is made and runs while the engine loads its
+weights; `wait_pinned()` joins it. The pool is usable before that: nothing copies into it by DMA until the
+engine's first step.
+
+Release order matters: the registration must go before the memory does, or the next mapping at the same
+address cannot be pinned. `close()` unpins at once, and a finalizer does the same if the pool is dropped
+unclosed; the mapping itself is freed only when the last view of it is gone.
 """
+import math
+import mmap
+import weakref
+
 import psutil
 import torch
 
@@ -31,31 +45,43 @@ def host_pool_blocks(bytes_per_block: int, num_blocks: int | None, kv_cache_gb: 
 
 
 class HostKVPool:
-    """K and V tensors for every layer; `pin=True` page-locks them in place (exact size, no rounding up)."""
+    """K and V tensors for every layer; `pin_device` (a CUDA device) page-locks them for that device's copies."""
 
     def __init__(self, num_layers: int, num_blocks: int, num_kv_heads: int, block_size: int, head_dim: int,
-                 dtype: torch.dtype, pin: bool):
+                 dtype: torch.dtype, pin_device: torch.device | None = None):
         shape = (num_blocks, num_kv_heads, block_size, head_dim)
-        self.layers = [(torch.empty(shape, dtype=dtype), torch.empty(shape, dtype=dtype)) for _ in range(num_layers)]
-        self.pinned = pin and _register_all(self.layers)
+        per_tensor = math.prod(shape)
+        memory = mmap.mmap(-1, max(1, 2 * num_layers * per_tensor * dtype.itemsize),
+                           flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            memory.madvise(mmap.MADV_HUGEPAGE)
+        flat = torch.frombuffer(memory, dtype=dtype)  # the tensors keep the mapping alive, not this object
+        views = [flat[i * per_tensor : (i + 1) * per_tensor].view(shape) for i in range(2 * num_layers)]
+        self.layers = list(zip(views[0::2], views[1::2]))
+        self.nbytes = 2 * num_layers * per_tensor * dtype.itemsize
+        self._pinning = None
+        if pin_device is not None and self.nbytes:
+            from cpu_attention.host_pinning import HostPinning
+
+            index = pin_device.index if pin_device.index is not None else torch.cuda.current_device()
+            self._pinning = HostPinning(flat.data_ptr(), self.nbytes, index)
+        # The finalizer holds the flat tensor, so the memory cannot be freed before it has been unpinned.
+        self._finalizer = weakref.finalize(self, _unpin, self._pinning, flat)
 
     @property
-    def nbytes(self) -> int:
-        return sum(k.nbytes + v.nbytes for k, v in self.layers)
+    def pinned(self) -> bool:
+        return self._pinning is not None and bool(self._pinning.registered)
+
+    def wait_pinned(self) -> float:
+        """Blocks until pinning has finished; returns the seconds it took (0 when not pinned)."""
+        return self._pinning.wait() if self._pinning is not None else 0.0
 
     def close(self) -> None:
-        if self.pinned:
-            for tensor in (t for pair in self.layers for t in pair):
-                torch.cuda.cudart().cudaHostUnregister(tensor.data_ptr())
-            self.pinned = False
+        """Unpins now (idempotent); the memory goes once nothing else holds a view of it."""
+        self._finalizer()
         self.layers = []
 
 
-def _register_all(layers) -> bool:
-    """cudaHostRegister on the plain allocations: torch's pinned allocator would round each up to a power of
-    two, which for a pool of tens of GiB wastes up to half of the memory it locks."""
-    cudart = torch.cuda.cudart()
-    for tensor in (t for pair in layers for t in pair):
-        if tensor.nbytes and int(cudart.cudaHostRegister(tensor.data_ptr(), tensor.nbytes, 0)) != 0:
-            raise OSError("cudaHostRegister failed while pinning the host KV pool: lower cpu_kv_cache_gb")
-    return True
+def _unpin(pinning, _flat) -> None:
+    if pinning is not None:
+        pinning.release()

@@ -1,6 +1,7 @@
 """The public entry point: `LLM(model_dir, ...).generate(prompts, sampling_params)`."""
 import json
 import os
+import weakref
 
 import torch
 from tqdm.auto import tqdm
@@ -47,6 +48,9 @@ class LLM:
         torch.manual_seed(seed)
         self.engine = LLMEngine(model, self.model_config, self.config, self.dtype, self.max_model_len,
                                 _eos_token_ids(model, self.model_config))
+        # close(), `with`, and garbage collection all release the same things through this (once). It holds
+        # the engine, never this object, so an LLM that is dropped unclosed is still collected and released.
+        self._finalizer = weakref.finalize(self, self.engine.close)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -66,6 +70,8 @@ class LLM:
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for every prompt; outputs come back in prompt order. Bad input raises before any work."""
+        if not self._finalizer.alive:
+            raise ValueError("this LLM has been closed: make a new LLM(...) to generate again")
         texts, token_lists = self._tokenize(prompts)
         params = self._per_prompt_params(sampling_params, len(token_lists))
         seqs = [self.engine.make_sequence(ids, p) for ids, p in zip(token_lists, params)]
@@ -74,7 +80,7 @@ class LLM:
         try:
             self._run(len(seqs), use_tqdm)
         except BaseException:
-            self.engine.abort(seqs)  # leave the engine empty and usable
+            self.engine.abort()  # the error (or KeyboardInterrupt) goes on up; the engine is left empty and usable
             raise
         return [self._output(text, seq) for text, seq in zip(texts, seqs)]
 
@@ -145,7 +151,9 @@ class LLM:
                              kv_location=seq.admitted_to.value, kv_promoted=seq.promoted)
 
     def close(self) -> None:
-        self.engine.close()
+        """Releases the host pool's pinning, the executor threads, the CUDA graphs and both pools. Idempotent;
+        `with LLM(...) as llm:` calls it, and so does garbage collection of an LLM that was never closed."""
+        self._finalizer()
 
     def __enter__(self):
         return self

@@ -80,6 +80,11 @@ class BlockManager:
         }
         self.num_prefix_hit_tokens = 0  # prompt tokens served from cached blocks instead of computed
 
+    def reset(self) -> None:
+        """Every block free and nothing cached, in both tiers (LLMEngine.abort)."""
+        self.pools = {tier: BlockPool(p.num_blocks, p.block_size, p.enable_prefix_caching)
+                      for tier, p in self.pools.items()}
+
     def pool(self, location: BlockLocation) -> BlockPool:
         return self.pools[location]
 

@@ -94,6 +94,12 @@ class DecodeGraphs:
         torch.cuda.synchronize()
         self.whole[size] = (graph, logits)
 
+    def release(self) -> None:
+        """Drops every graph and the memory pool they share (the engine's close())."""
+        for graph in [g for graphs in self.graphs.values() for g in graphs] + [g for g, _ in self.whole.values()]:
+            graph.reset()
+        self.graphs, self.outputs, self.whole, self.pool = {}, {}, {}, None
+
     def fits(self, batch: int, meta) -> bool:
         """Whole-step graphs serve device-tier batches only; piecewise graphs serve any batch."""
         return batch <= self.buckets[-1] and (self.device_maps is None or not meta.has_cpu_rows)

@@ -36,6 +36,7 @@ class LLMEngine:
         self.cfg = cfg
         self.max_model_len = max_model_len
         self.runner = ModelRunner(model_dir, model_cfg, cfg, dtype, max_model_len)
+        self.closed = False
         self.blocks = BlockManager(self.runner.num_gpu_blocks, cfg.block_size, self.runner.num_cpu_blocks,
                                    cfg.cpu_block_size, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.blocks, cfg.kv_placement, cfg.max_num_seqs, cfg.max_num_batched_tokens,
@@ -111,16 +112,25 @@ class LLMEngine:
             seq.in_flight = False
         return self.scheduler.postprocess(batch, future.result()), len(batch)
 
-    def abort(self, seqs: list[Sequence]) -> None:
+    def abort(self) -> None:
+        """Drops every request once generate() was interrupted (an error in either lane, a KeyboardInterrupt).
+        generate() is synchronous, so they are the interrupted call's own. The host lane and the executor are
+        let finish first: their kernels may still be reading or writing the pools. Then the queues and both
+        pools' bookkeeping start afresh (cached prefixes included) rather than being undone request by request,
+        because an interrupt can land anywhere in a step's bookkeeping."""
         if self.in_flight is not None:
-            self.in_flight[1].exception()  # let it finish: its sequences' blocks are in use until then
-            for seq in self.in_flight[0]:
-                seq.in_flight = False
+            self.in_flight[1].exception()  # waits for it; its outcome no longer matters
             self.in_flight = None
-        for seq in seqs:
-            if not seq.is_finished:
-                self.scheduler.finish(seq)
+        if self.runner.executor is not None:
+            self.runner.executor.drain()
+        self.scheduler.reset()
+        self.blocks.reset()
 
     def close(self) -> None:
-        self.host_lane.shutdown(wait=True)
+        """Stops the host lane, then releases the runner's threads, graphs and pools. Idempotent."""
+        if self.closed:
+            return
+        self.closed = True
+        self.host_lane.shutdown(wait=True, cancel_futures=True)  # a host step in flight finishes first
+        self.in_flight = None
         self.runner.close()

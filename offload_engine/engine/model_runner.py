@@ -1,4 +1,6 @@
 """Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens."""
+import time
+
 import torch
 
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
@@ -19,16 +21,37 @@ class ModelRunner:
         self.cfg, self.model_cfg, self.dtype = cfg, model_cfg, dtype
         self.device = cfg.torch_device
         self.max_model_len = max_model_len
-        self.model = build_model(model_cfg, model_dir, dtype, self.device, max_position=max_model_len)
-        self.backend = select_backend(cfg.attention_backend, self.device, cfg.block_size)
-        self.inputs = StepInputBuilder(self.device, cfg.block_size, cfg.cpu_block_size)
-        self.generators = {lane: torch.Generator(device=self.device).manual_seed(cfg.seed + i)
+        self.model = self.device_pool = self.host_pool = self.executor = None
+        self.num_gpu_blocks = self.num_cpu_blocks = 0
+        self.decode_graphs: dict = {}
+        self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
+        try:
+            self._start(model_dir)
+        except BaseException:
+            self.close()  # a half-made runner releases what it had made (pinned memory, threads)
+            raise
+
+    def _start(self, model_dir: str) -> None:
+        began = time.perf_counter()
+        # The host tier first: its numba compile and its page-locking run on threads of their own while the
+        # weights load and the device pool is profiled (DESIGN.md, "Resources and their lifecycle").
+        self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
+        self.model = build_model(self.model_cfg, model_dir, self.dtype, self.device, max_position=self.max_model_len)
+        self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size)
+        self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size)
+        self.generators = {lane: torch.Generator(device=self.device).manual_seed(self.cfg.seed + i)
                            for i, lane in enumerate(("device", "host"))}
+        self.startup_seconds["weights"] = time.perf_counter() - began
         self.num_gpu_blocks = self._size_device_pool()
         self.device_pool = self.allocate_device_pool(self.num_gpu_blocks)
-        self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
+        if self.host_pool is not None:
+            # Before graph capture: page-locking from another thread would break a capture in progress.
+            self.startup_seconds["pin"] = self.host_pool.wait_pinned()
         self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
-        self.decode_graphs = self._capture_decode_graphs()
+        self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
+        if self.executor is not None:
+            self.startup_seconds["numba_compile"] = self.executor.warmup()
+        self.startup_seconds["total"] = time.perf_counter() - began
 
     # ---- pools -------------------------------------------------------------------------------------------
     def _block_bytes(self, block_size: int) -> int:
@@ -69,10 +92,11 @@ class ModelRunner:
         blocks = host_pool_blocks(self._block_bytes(size), self.cfg.num_cpu_blocks, self.cfg.cpu_kv_cache_gb,
                                   self._wanted_blocks(size))
         cfg = self.model_cfg
+        # numba compiles (or loads its on-disk cache) the kernels for this dtype on the executor's thread now,
+        # not inside the first step; the caller joins it once the weights are in.
+        executor = CpuAttentionExecutor(dtypes=(self.dtype,))
         pool = HostKVPool(cfg.num_layers, blocks, cfg.num_kv_heads, size, cfg.head_dim, self.dtype,
-                          pin=self.device.type == "cuda")
-        executor = CpuAttentionExecutor()
-        executor.warmup()  # numba compiles (or loads its on-disk cache) now, not inside the first step
+                          pin_device=self.device if self.device.type == "cuda" else None)
         return blocks, pool, executor
 
     def bind_kv_caches(self, device_pool, host_pool) -> None:
@@ -100,10 +124,22 @@ class ModelRunner:
         return graphs
 
     def close(self) -> None:
+        """Releases everything the runner holds, in dependency order; safe on a half-made runner and twice.
+        The host lane must be idle (LLMEngine.close stops it first)."""
         if self.executor is not None:
-            self.executor.shutdown()
+            self.executor.shutdown()  # after this no host kernel can touch the host pool
+            self.executor = None
+        for graphs in self.decode_graphs.values():
+            graphs.release()
+        self.decode_graphs = {}
+        if self.model is not None:
+            self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
         if self.host_pool is not None:
-            self.host_pool.close()
+            self.host_pool.close()  # unpinned before the memory can go
+            self.host_pool = None
+        self.device_pool = self.model = None
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
 
     def promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
         """Copies promoted sequences' KV from their old host blocks into their new device blocks."""

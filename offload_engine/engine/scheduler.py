@@ -33,6 +33,11 @@ class Scheduler:
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
+    def reset(self) -> None:
+        """Forgets every request (LLMEngine.abort)."""
+        self.waiting.clear()
+        self.running.clear()
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -142,7 +147,7 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence) -> None:
-        """Frees a sequence's blocks and takes it out of the queues (also used to abort)."""
+        """Frees a sequence's blocks and takes it out of the queues."""
         if seq.location is not None:
             self.blocks.deallocate(seq)
         seq.status = SequenceStatus.FINISHED

@@ -1,0 +1,94 @@
+"""A fault inside generate() comes out of it with its cause; no thread is left busy; the engine stays usable.
+
+Faults are injected where they would really arise: a host kernel raising on the host-lane thread, a host
+write raising on the executor during prefill, and a KeyboardInterrupt landing on the engine's thread in the
+middle of a step's bookkeeping while a host step is in flight.
+"""
+import threading
+import time
+
+import pytest
+
+import cpu_attention
+from offload_engine import LLM, SamplingParams
+from offload_engine.engine.sequence import BlockLocation
+from tests.conftest import TEST_DEVICE
+from tests.oracle import hf_greedy, random_prompts
+
+PROMPTS = random_prompts((40, 41, 39, 42, 17), 256, seed=90)
+GREEDY = SamplingParams(temperature=0, max_tokens=10)
+
+
+def _engine(model_dir: str) -> LLM:
+    # The first two prompts fill the 6-block device pool; the rest decode in the host lane.
+    return LLM(model_dir, device=TEST_DEVICE, kv_placement="auto", kv_promotion=False, num_gpu_blocks=6,
+               num_cpu_blocks=24, cpu_block_size=16)
+
+
+def _fails_on_call(function, number: int, error: BaseException, delay: float = 0.0):
+    calls = []
+
+    def wrapper(*args, **kwargs):
+        calls.append(1)
+        if delay:
+            time.sleep(delay)
+        if len(calls) == number:
+            raise error
+        return function(*args, **kwargs)
+
+    return wrapper
+
+
+def _assert_idle_and_usable(llm: LLM, model_dir: str) -> None:
+    engine = llm.engine
+    assert engine.in_flight is None and not engine.has_work()
+    for tier in BlockLocation:
+        pool = engine.blocks.pool(tier)
+        assert pool.num_free == pool.num_blocks
+    done = threading.Event()
+    engine.runner.executor.submit(done.set)
+    assert done.wait(timeout=5), "the host executor is stuck"
+    outputs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert {o.kv_location for o in outputs} == {"gpu", "cpu"}
+    assert [o.token_ids for o in outputs] == hf_greedy(model_dir, PROMPTS, GREEDY.max_tokens)
+
+
+def test_host_kernel_error_comes_out_of_generate(qwen3_dir, monkeypatch):
+    llm = _engine(qwen3_dir)
+    kernel = cpu_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention",
+                        _fails_on_call(kernel, 7, RuntimeError("injected host kernel fault")))
+    with pytest.raises(RuntimeError, match="injected host kernel fault"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention", kernel)
+    _assert_idle_and_usable(llm, qwen3_dir)
+    llm.close()
+
+
+def test_host_write_error_during_prefill_comes_out_of_generate(qwen3_dir, monkeypatch):
+    llm = _engine(qwen3_dir)
+    store = cpu_attention.store_kvcache
+    monkeypatch.setattr(cpu_attention, "store_kvcache", _fails_on_call(store, 1, ValueError("injected store fault")))
+    with pytest.raises(ValueError, match="injected store fault"):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(cpu_attention, "store_kvcache", store)
+    _assert_idle_and_usable(llm, qwen3_dir)
+    llm.close()
+
+
+@pytest.mark.parametrize("interrupt_at", [3, 11, 20])
+def test_keyboard_interrupt_mid_step_leaves_the_engine_usable(qwen3_dir, monkeypatch, interrupt_at):
+    llm = _engine(qwen3_dir)
+    # A slow host kernel keeps a host step in flight while the engine's thread is interrupted.
+    kernel = cpu_attention.paged_decode_attention
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention", _fails_on_call(kernel, -1, None, delay=0.005))
+    blocks = llm.engine.blocks
+    register = blocks.register_computed_blocks  # runs inside postprocess, between a sequence's updates
+    blocks.register_computed_blocks = _fails_on_call(register, interrupt_at, KeyboardInterrupt())
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(cpu_attention, "paged_decode_attention", kernel)
+    # abort() replaced the block manager's pools, not the object: restore the method on the instance.
+    del blocks.register_computed_blocks
+    _assert_idle_and_usable(llm, qwen3_dir)
+    llm.close()
