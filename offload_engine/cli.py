@@ -1,7 +1,13 @@
 """The `offload-engine` command: `demo` (the embedded tiny model), `generate` (a real model directory) and
-`bench` (the offload benchmark suite)."""
+`bench` (the offload benchmark suite).
+
+A mistake the user can fix (a missing model directory, an unsupported architecture, a bad sampling value) ends
+in one `offload-engine: error: ...` line and exit status 2, as argparse does for a bad flag; a traceback means
+a bug in the engine. The demo exits 1 when its greedy check against transformers fails.
+"""
 import argparse
 import json
+import sys
 
 from offload_engine.config import KV_PLACEMENTS
 
@@ -38,32 +44,46 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
 
     args = parser.parse_args(argv)
+    try:
+        failed = _run(args)
+    except (ValueError, OSError) as err:  # what the engine's public API raises for input the user can change
+        print(f"{parser.prog}: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
+        sys.exit(2)
+    if failed:
+        sys.exit(1)
+
+
+def _run(args) -> bool:
+    """Runs the chosen command; True when it finished but its result says something is wrong."""
     if args.command == "demo":
         from offload_engine.demo import run_demo
 
-        run_demo(args.requests, args.prompt_len, args.max_tokens, args.device)
-    elif args.command == "bench":
+        summary = run_demo(args.requests, args.prompt_len, args.max_tokens, args.device)
+        return summary["greedy_matches"] != summary["greedy_requests"]
+    if args.command == "bench":
         from benchmarks.bench_throughput import run_suite
 
         run_suite(args.profile, args.workloads, "/tmp/offload_engine_models", args.out_dir)
-    else:
-        _generate(args)
+        return False
+    _generate(args)
+    return False
 
 
 def _generate(args) -> None:
     from offload_engine import LLM, SamplingParams
 
-    llm = LLM(args.model, device=args.device, dtype=args.dtype, kv_placement=args.kv_placement,
-              max_model_len=args.max_model_len, num_gpu_blocks=args.num_gpu_blocks,
-              cpu_kv_cache_gb=args.cpu_kv_cache_gb)
+    # Sampling values first: a bad --temperature should not wait for the weights to load.
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                             max_tokens=args.max_tokens, seed=args.seed)
-    for output in llm.generate(args.prompt, params):
+    with LLM(args.model, device=args.device, dtype=args.dtype, kv_placement=args.kv_placement,
+             max_model_len=args.max_model_len, num_gpu_blocks=args.num_gpu_blocks,
+             cpu_kv_cache_gb=args.cpu_kv_cache_gb) as llm:
+        outputs = llm.generate(args.prompt, params)
+    for output in outputs:
         if args.json:
             print(json.dumps(vars(output)))
         else:
             print(f"--- {output.prompt!r} [{output.finish_reason}, KV on {output.kv_location}]\n{output.text}")
-    llm.close()
 
 
 if __name__ == "__main__":

@@ -1,0 +1,93 @@
+"""The command line speaks to a newcomer: a mistake they can fix is one `offload-engine: error:` line and exit
+status 2, never a traceback; a good run prints its output; the demo's greedy check against transformers passes."""
+import shutil
+
+import pytest
+
+from offload_engine.cli import main
+from offload_engine.demo import run_demo
+
+
+def _user_error(capsys, argv: list[str]) -> str:
+    """Runs the command, checks it failed the way a user's mistake should, and returns the one stderr line."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("offload-engine: error: "), err
+    return lines[0]
+
+
+def test_missing_model_directory_is_one_line(capsys):
+    line = _user_error(capsys, ["generate", "--model", "/nonexistent", "--prompt", "hi"])
+    assert "/nonexistent" in line
+
+
+def test_unsupported_architecture_is_one_line(text_model_dir, tmp_path, capsys):
+    model_dir = tmp_path / "gpt2"
+    shutil.copytree(text_model_dir, model_dir)
+    config = (model_dir / "config.json").read_text().replace("Qwen3ForCausalLM", "GPT2LMHeadModel")
+    (model_dir / "config.json").write_text(config.replace('"qwen3"', '"gpt2"'))
+    line = _user_error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--device", "cpu"])
+    assert "Qwen3ForCausalLM" in line  # names what is supported
+
+
+def test_pickled_weights_are_one_line(text_model_dir, tmp_path, capsys):
+    model_dir = tmp_path / "pickled"
+    model_dir.mkdir()
+    shutil.copy(f"{text_model_dir}/config.json", model_dir)
+    (model_dir / "pytorch_model.bin").write_bytes(b"not even read")
+    line = _user_error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--device", "cpu"])
+    assert "safetensors" in line
+
+
+def test_negative_temperature_is_one_line(text_model_dir, capsys):
+    line = _user_error(capsys, ["generate", "--model", text_model_dir, "--prompt", "hi", "--temperature", "-1"])
+    assert "temperature" in line
+
+
+def test_demo_sizes_are_checked(capsys):
+    line = _user_error(capsys, ["demo", "--requests", "0"])
+    assert "--requests" in line
+
+
+def test_unknown_flag_still_exits_2():
+    with pytest.raises(SystemExit) as exit_info:
+        main(["generate", "--no-such-flag"])
+    assert exit_info.value.code == 2
+
+
+def test_generate_prints_each_prompt(text_model_dir, capsys):
+    main(["generate", "--model", text_model_dir, "--prompt", "The quick", "--prompt", "offload",
+          "--max-tokens", "4", "--device", "cpu"])
+    out = capsys.readouterr().out
+    assert "--- 'The quick'" in out and "--- 'offload'" in out
+
+
+def test_demo_greedy_check_matches_transformers(text_model_dir, capsys):
+    summary = run_demo(num_requests=4, prompt_len=40, max_tokens=8, device="cpu", model_dir=text_model_dir)
+    assert summary["greedy_requests"] == 4
+    assert summary["greedy_matches"] == summary["greedy_requests"]
+    assert summary["greedy_kv_location"] == {"gpu": 2, "cpu": 2}
+    assert "4/4 requests match transformers" in capsys.readouterr().out
+
+
+def test_demo_exits_1_and_says_where_a_request_differs(text_model_dir, monkeypatch, capsys):
+    from offload_engine import demo
+
+    real_reference = demo._transformers_greedy
+
+    def wrong_for_request_1(model_dir, prompts, max_tokens):
+        reference = real_reference(model_dir, prompts, max_tokens)
+        return [[t + 1 for t in ids] if i == 1 else ids for i, ids in enumerate(reference)]
+
+    monkeypatch.setattr(demo, "_transformers_greedy", wrong_for_request_1)
+    monkeypatch.setattr(demo, "default_model_dir", lambda: text_model_dir)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["demo", "--requests", "2", "--prompt-len", "20", "--max-tokens", "4", "--device", "cpu"])
+    assert exit_info.value.code == 1
+    out = capsys.readouterr().out
+    assert "3/4 requests match" in out
+    assert "request 1 " in out and "first differs at new token 0" in out
