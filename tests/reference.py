@@ -7,6 +7,8 @@ import math
 
 import torch
 
+from tests.conftest import TEST_DEVICE
+
 LAYOUTS = ("token_major", "head_major")
 
 
@@ -76,3 +78,8 @@ def relative_error(out, ref):
     """||out - ref|| / ||ref||, the figure every kernel test bounds."""
     out, ref = out.double(), ref.double()
     return ((out - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def on_test_device(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """Kernel inputs made on the CPU, moved to TEST_DEVICE (the same tensors when that is the CPU)."""
+    return [t.to(TEST_DEVICE) for t in tensors]

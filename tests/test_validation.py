@@ -5,6 +5,7 @@ import shutil
 import pytest
 
 from offload_engine import LLM, SamplingParams
+from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
 GOOD = random_prompts((9,), 256, seed=20)
@@ -12,7 +13,9 @@ GOOD = random_prompts((9,), 256, seed=20)
 
 @pytest.fixture(scope="module")
 def llm(qwen3_dir):
-    return LLM(qwen3_dir, device="cpu", kv_placement="gpu", max_model_len=64, num_gpu_blocks=64)
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="gpu", max_model_len=64, num_gpu_blocks=64)
+    yield llm
+    llm.close()
 
 
 @pytest.mark.parametrize("prompts, match", [
@@ -49,7 +52,7 @@ def test_sampling_params_count_must_match(llm):
 
 def test_request_larger_than_any_allowed_pool(llm):
     with pytest.raises(ValueError, match="num_gpu_blocks"):
-        LLM(llm.model_dir, device="cpu", kv_placement="gpu", num_gpu_blocks=2).generate(
+        LLM(llm.model_dir, device=TEST_DEVICE, kv_placement="gpu", num_gpu_blocks=2).generate(
             [[1] * 20], SamplingParams(max_tokens=30), use_tqdm=False)
 
 
@@ -64,12 +67,12 @@ def test_request_larger_than_any_allowed_pool(llm):
 ])
 def test_bad_engine_arguments(qwen3_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LLM(qwen3_dir, device="cpu", **kwargs)
+        LLM(qwen3_dir, device=TEST_DEVICE, **kwargs)
 
 
 def test_missing_model_directory(tmp_path):
     with pytest.raises(OSError, match="does not exist"):
-        LLM(str(tmp_path / "nowhere"), device="cpu")
+        LLM(str(tmp_path / "nowhere"), device=TEST_DEVICE)
 
 
 def test_unsupported_architecture_names_the_supported_ones(qwen3_dir, tmp_path):
@@ -78,7 +81,7 @@ def test_unsupported_architecture_names_the_supported_ones(qwen3_dir, tmp_path):
     config = (model_dir / "config.json").read_text().replace("Qwen3ForCausalLM", "GPT2LMHeadModel")
     (model_dir / "config.json").write_text(config.replace('"qwen3"', '"gpt2"'))
     with pytest.raises(ValueError, match="Qwen3ForCausalLM"):
-        LLM(str(model_dir), device="cpu")
+        LLM(str(model_dir), device=TEST_DEVICE)
 
 
 def test_loader_refuses_pickled_weights(qwen3_dir, tmp_path):
@@ -87,19 +90,20 @@ def test_loader_refuses_pickled_weights(qwen3_dir, tmp_path):
     shutil.copy(os.path.join(qwen3_dir, "config.json"), model_dir)
     (model_dir / "pytorch_model.bin").write_bytes(b"not even read")
     with pytest.raises(OSError, match="safetensors"):
-        LLM(str(model_dir), device="cpu")
+        LLM(str(model_dir), device=TEST_DEVICE)
 
 
 def test_host_pool_larger_than_the_host_can_spare(qwen3_dir):
     with pytest.raises(ValueError, match="can spare"):
-        LLM(qwen3_dir, device="cpu", kv_placement="cpu", cpu_kv_cache_gb=10**6)
+        LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="cpu", cpu_kv_cache_gb=10**6)
 
 
 def test_forcing_an_unavailable_backend_is_a_clear_error(qwen3_dir):
     with pytest.raises(ValueError, match="flash"):
-        LLM(qwen3_dir, device="cpu", attention_backend="flash-attn")
+        LLM(qwen3_dir, device=TEST_DEVICE, attention_backend="flash-attn")
 
 
 def test_model_keyword_as_in_vllm(qwen3_dir):
-    out = LLM(model=qwen3_dir, device="cpu").generate(GOOD, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
+    llm = LLM(model=qwen3_dir, device=TEST_DEVICE)
+    out = llm.generate(GOOD, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert out[0].token_ids == hf_greedy(qwen3_dir, GOOD, 3)[0]

@@ -1,5 +1,6 @@
 """The host KV tier end to end: greedy tokens still equal transformers' wherever the KV lives."""
 from offload_engine import LLM, SamplingParams
+from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
 LENGTHS = (1, 15, 16, 17, 33, 100)
@@ -18,16 +19,18 @@ def _assert_parity(model_dir, prompts, outputs, max_tokens=12):
 def test_every_sequence_on_the_host_tier(tiny_models):
     for arch in ("qwen3", "llama"):
         prompts = random_prompts(LENGTHS, 256, seed=30)
-        llm = LLM(tiny_models[arch], device="cpu", kv_placement="cpu", cpu_block_size=16, num_cpu_blocks=64)
+        llm = LLM(tiny_models[arch], device=TEST_DEVICE, kv_placement="cpu", cpu_block_size=16, num_cpu_blocks=64)
         outputs = _generate(llm, prompts)
         assert {o.kv_location for o in outputs} == {"cpu"}
         _assert_parity(tiny_models[arch], prompts, outputs)
+        llm.close()  # on CUDA its device pool takes most of the free memory: the next engine sizes its own from it
 
 
 def test_auto_splits_the_batch_across_tiers(qwen3_dir):
     prompts = random_prompts((40, 41, 39, 60, 3, 50), 256, seed=31)
     # Each budget (prompt + 12) needs 4-5 blocks of 16: a 10-block device pool takes two, the host the rest.
-    llm = LLM(qwen3_dir, device="cpu", kv_placement="auto", num_gpu_blocks=10, num_cpu_blocks=40, cpu_block_size=32)
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=10, num_cpu_blocks=40,
+              cpu_block_size=32)
     outputs = _generate(llm, prompts)
     assert {o.kv_location for o in outputs} == {"gpu", "cpu"}
     _assert_parity(qwen3_dir, prompts, outputs)
@@ -35,7 +38,7 @@ def test_auto_splits_the_batch_across_tiers(qwen3_dir):
 
 def test_sequence_longer_than_the_whole_device_pool_goes_to_the_host(qwen3_dir):
     prompts = random_prompts((150, 20), 256, seed=32)
-    llm = LLM(qwen3_dir, device="cpu", kv_placement="auto", num_gpu_blocks=4, num_cpu_blocks=16,
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=4, num_cpu_blocks=16,
               cpu_block_size=16, max_num_batched_tokens=64)  # chunked prefill of the long prompt on the host tier
     outputs = _generate(llm, prompts)
     assert [o.kv_location for o in outputs] == ["cpu", "gpu"]
@@ -44,7 +47,7 @@ def test_sequence_longer_than_the_whole_device_pool_goes_to_the_host(qwen3_dir):
 
 def test_more_work_than_both_pools_hold_completes_every_request(qwen3_dir):
     prompts = random_prompts((30,) * 8 + (10,) * 4, 256, seed=33)
-    llm = LLM(qwen3_dir, device="cpu", kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=6, cpu_block_size=16)
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=6, cpu_block_size=16)
     outputs = _generate(llm, prompts, max_tokens=16, ignore_eos=True)
     assert all(len(o.token_ids) == 16 for o in outputs)
     _assert_parity(qwen3_dir, prompts, outputs, max_tokens=16)
@@ -53,7 +56,7 @@ def test_more_work_than_both_pools_hold_completes_every_request(qwen3_dir):
 def test_prefix_reuse_on_the_host_tier(qwen3_dir):
     shared = random_prompts((70,), 256, seed=34)[0]
     prompts = [shared + tail for tail in random_prompts((3, 9, 30), 256, seed=35)]
-    llm = LLM(qwen3_dir, device="cpu", kv_placement="cpu", num_cpu_blocks=64, cpu_block_size=16)
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="cpu", num_cpu_blocks=64, cpu_block_size=16)
     first = _generate(llm, prompts[:1])
     hits = llm.engine.blocks.num_prefix_hit_tokens
     rest = _generate(llm, prompts[1:])

@@ -4,6 +4,7 @@ import time
 
 import cpu_attention
 from offload_engine import LLM, SamplingParams
+from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
 
@@ -17,8 +18,8 @@ def test_device_lane_steps_while_the_host_lane_is_in_flight(qwen3_dir, monkeypat
     monkeypatch.setattr(cpu_attention, "paged_decode_attention", slow_kernel)
     prompts = random_prompts((20, 21, 22, 23), 256, seed=50)
     # No promotion: the host lane keeps its sequences to the end, so its steps are there to overlap.
-    llm = LLM(qwen3_dir, device="cpu", kv_placement="auto", kv_promotion=False, num_gpu_blocks=5, num_cpu_blocks=8,
-              cpu_block_size=16)
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", kv_promotion=False, num_gpu_blocks=5,
+              num_cpu_blocks=8, cpu_block_size=16)
     spans = []
     run = llm.engine.runner.run
 

@@ -4,6 +4,7 @@ import torch
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.sampling_params import SamplingParams
+from tests.conftest import TEST_DEVICE
 
 
 def _placed(num_tokens, location, block_table, computed):
@@ -14,7 +15,7 @@ def _placed(num_tokens, location, block_table, computed):
 
 
 def test_decode_maps_mask_the_other_tier():
-    builder = StepInputBuilder(torch.device("cpu"), block_size=4, cpu_block_size=8)
+    builder = StepInputBuilder(torch.device(TEST_DEVICE), block_size=4, cpu_block_size=8)
     gpu_seq = _placed(6, BlockLocation.GPU, [5, 2], computed=5)  # newest token at position 5
     cpu_seq = _placed(9, BlockLocation.CPU, [7, 3], computed=8)  # newest token at position 8
     meta = builder.decode([gpu_seq, cpu_seq]).meta
@@ -26,10 +27,13 @@ def test_decode_maps_mask_the_other_tier():
     assert meta.block_tables_cpu.tolist() == [[-1, -1], [7, 3]]
     assert meta.context_lens.dtype == meta.block_tables.dtype == meta.block_tables_cpu.dtype == torch.int32
     assert meta.has_gpu_rows and meta.has_cpu_rows and not meta.is_prefill
+    # The device tier's maps are on the device; the host tier's are built on the host and stay there.
+    assert {t.device.type for t in (meta.slot_mapping, meta.context_lens, meta.block_tables)} == {TEST_DEVICE}
+    assert {t.device.type for t in (meta.slot_mapping_cpu, meta.context_lens_cpu, meta.block_tables_cpu)} == {"cpu"}
 
 
 def test_prefill_maps_and_prefix_staging_for_host_rows():
-    builder = StepInputBuilder(torch.device("cpu"), block_size=4, cpu_block_size=4)
+    builder = StepInputBuilder(torch.device(TEST_DEVICE), block_size=4, cpu_block_size=4)
     gpu_seq = _placed(3, BlockLocation.GPU, [9], computed=0)
     cpu_seq = _placed(7, BlockLocation.CPU, [6, 1], computed=5)  # prefix 0..4 cached, chunk = positions 5, 6
     step = builder.prefill([gpu_seq, cpu_seq])
@@ -47,3 +51,7 @@ def test_prefill_maps_and_prefix_staging_for_host_rows():
     assert staging.slot_mapping.tolist() == [-1, -1, -1, 5, 6]
     assert staging.context_lens.tolist() == [0, 7]
     assert staging.host_token_indices.tolist() == [3, 4] and staging.host_token_slots.tolist() == [5, 6]
+    # The staging cache is a device cache; the host pool's own blocks and slots are read and written on the host.
+    assert {t.device.type for t in (staging.block_tables, staging.slot_mapping, staging.context_lens,
+                                    staging.host_token_indices)} == {TEST_DEVICE}
+    assert {t.device.type for t in (staging.source_blocks, staging.host_token_slots)} == {"cpu"}

@@ -4,10 +4,16 @@ import math
 import pytest
 import torch
 
-from kernels import merge_attn_states
-from tests.reference import attention_reference, relative_error
+from kernels import merge_attn_states as merge_on_device
+from tests.reference import attention_reference, on_test_device, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}
+
+
+def merge_attn_states(out_a, lse_a, out_b, lse_b):
+    """The kernel on TEST_DEVICE, for inputs and results on the CPU."""
+    out, lse = merge_on_device(*on_test_device(out_a, lse_a, out_b, lse_b))
+    return out.cpu(), lse.cpu()
 
 
 def partials(num_tokens, num_q_heads, num_kv_heads, head_dim, len_a, len_b, dtype, seed=0):

@@ -6,7 +6,8 @@ import torch
 
 from kernels import paged_decode_attention
 from kernels.paged_decode import _tile_config, choose_num_splits
-from tests.reference import paged_decode_reference, random_paged_kv, relative_error
+from tests.conftest import TEST_DEVICE
+from tests.reference import on_test_device, paged_decode_reference, random_paged_kv, relative_error
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
@@ -18,15 +19,18 @@ def run_decode(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dt
         context_lens, num_kv_heads, head_dim, block_size, dtype, layout="token_major", seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     batch = len(context_lens)
-    if strided_q:  # q sliced out of a fused qkv projection: a non-contiguous view
-        q = torch.randn(batch, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)[:, :num_q_heads]
+    if strided_q:  # q sliced out of a fused qkv projection: a non-contiguous view (on the device too)
+        fused = torch.randn(batch, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+        q, q_in = fused[:, :num_q_heads], fused.to(TEST_DEVICE)[:, :num_q_heads]
     else:
         q = torch.randn(batch, num_q_heads, head_dim, generator=gen).to(dtype)
+        q_in = q.to(TEST_DEVICE)
     scale = head_dim ** -0.5
-    out, lse = paged_decode_attention(q, k_cache, v_cache, block_tables,
-                                      torch.tensor(context_lens, dtype=torch.int32), scale, num_splits=num_splits)
+    out, lse = paged_decode_attention(q_in, *on_test_device(k_cache, v_cache, block_tables,
+                                                            torch.tensor(context_lens, dtype=torch.int32)),
+                                      scale, num_splits=num_splits)
     ref_out, ref_lse = paged_decode_reference(q, keys, values, scale)
-    return out, lse, ref_out, ref_lse
+    return out.cpu(), lse.cpu(), ref_out, ref_lse
 
 
 def assert_matches(out, lse, ref_out, ref_lse, dtype):
@@ -70,11 +74,11 @@ def test_split_k_with_short_and_empty_rows(num_splits):
 
 
 def test_default_split_count_uses_several_splits_for_a_long_context():
-    context_lens = [96]
-    q = torch.empty(1, 2, 64)
-    block_n = _tile_config(q, 64)[0]
-    assert choose_num_splits(1, 1, math.ceil(96 / 16) + 1, 16, block_n, q.device) > 1
-    out, lse, ref_out, ref_lse = run_decode(context_lens, 2, 1, 64, 16, torch.float32, seed=4)
+    q = torch.empty(1, 2, 64, device=TEST_DEVICE)
+    block_n = _tile_config(q, 64)[0]  # key tiles are wider on the GPU than under the interpreter
+    context = 6 * block_n
+    assert choose_num_splits(1, 1, math.ceil(context / 16) + 1, 16, block_n, q.device) > 1
+    out, lse, ref_out, ref_lse = run_decode([context], 2, 1, 64, 16, torch.float32, seed=4)
     assert_matches(out, lse, ref_out, ref_lse, torch.float32)
 
 
@@ -86,9 +90,10 @@ def test_wide_block_table_as_in_a_cuda_graph():
         context_lens, 2, 64, 4, torch.float16, layout="token_major", seed=6)
     wide = torch.cat([block_tables, torch.full((3, 40), -1, dtype=torch.int32)], dim=1)
     q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(7)).half()
-    out, lse = paged_decode_attention(q, k_cache, v_cache, wide, torch.tensor(context_lens, dtype=torch.int32), 0.125)
+    out, lse = paged_decode_attention(*on_test_device(q, k_cache, v_cache, wide,
+                                                      torch.tensor(context_lens, dtype=torch.int32)), 0.125)
     ref_out, ref_lse = paged_decode_reference(q, keys, values, 0.125)
-    assert_matches(out, lse, ref_out, ref_lse, torch.float16)
+    assert_matches(out.cpu(), lse.cpu(), ref_out, ref_lse, torch.float16)
 
 
 def test_all_rows_empty():
@@ -98,10 +103,12 @@ def test_all_rows_empty():
 
 def test_bad_inputs_raise_value_error():
     k_cache, v_cache, block_tables, _, _ = random_paged_kv([5], 2, 16, 4, torch.float32, layout="token_major")
-    context_lens = torch.tensor([5], dtype=torch.int32)
+    k_cache, v_cache, block_tables = on_test_device(k_cache, v_cache, block_tables)
+    context_lens = torch.tensor([5], dtype=torch.int32, device=TEST_DEVICE)
+    q = torch.randn(1, 4, 16, device=TEST_DEVICE)
     with pytest.raises(ValueError, match="multiple"):
-        paged_decode_attention(torch.randn(1, 3, 16), k_cache, v_cache, block_tables, context_lens, 0.25)
+        paged_decode_attention(q[:, :3], k_cache, v_cache, block_tables, context_lens, 0.25)
     with pytest.raises(ValueError, match="dtype"):
-        paged_decode_attention(torch.randn(1, 4, 16).half(), k_cache, v_cache, block_tables, context_lens, 0.25)
+        paged_decode_attention(q.half(), k_cache, v_cache, block_tables, context_lens, 0.25)
     with pytest.raises(ValueError, match="block_tables"):
-        paged_decode_attention(torch.randn(1, 4, 16), k_cache, v_cache, block_tables.long(), context_lens, 0.25)
+        paged_decode_attention(q, k_cache, v_cache, block_tables.long(), context_lens, 0.25)

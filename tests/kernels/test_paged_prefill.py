@@ -3,7 +3,8 @@ import pytest
 import torch
 
 from kernels import paged_prefill_attention
-from tests.reference import attention_reference, random_paged_kv, relative_error
+from tests.conftest import TEST_DEVICE
+from tests.reference import attention_reference, on_test_device, random_paged_kv, relative_error
 
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}
 LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
@@ -16,13 +17,16 @@ def check_prefill(context_lens, query_lens, num_q_heads, num_kv_heads, head_dim,
         context_lens, num_kv_heads, head_dim, block_size, dtype, layout="token_major", seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
     num_tokens = sum(query_lens)
-    q = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
-    q = q[:, :num_q_heads] if strided_q else q[:, :num_q_heads].contiguous()
+    fused = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    q = fused[:, :num_q_heads] if strided_q else fused[:, :num_q_heads].contiguous()
+    # A strided q stays a view of the fused projection on the device too.
+    q_in = fused.to(TEST_DEVICE)[:, :num_q_heads] if strided_q else q.to(TEST_DEVICE)
     cu_seqlens = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
     scale = head_dim ** -0.5
-    out, lse = paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens,
-                                       torch.tensor(context_lens, dtype=torch.int32), scale,
-                                       max_seqlen_q if max_seqlen_q is not None else max(query_lens))
+    out, lse = paged_prefill_attention(q_in, *on_test_device(k_cache, v_cache, block_tables, cu_seqlens,
+                                                             torch.tensor(context_lens, dtype=torch.int32)),
+                                       scale, max_seqlen_q if max_seqlen_q is not None else max(query_lens))
+    out, lse = out.cpu(), lse.cpu()
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (num_tokens, num_q_heads)
     for b, (context, q_len) in enumerate(zip(context_lens, query_lens)):
         rows = slice(cu_seqlens[b].item(), cu_seqlens[b + 1].item())
@@ -63,17 +67,18 @@ def test_chunk_ending_on_a_tile_boundary():
 
 def test_no_queries_at_all():
     k_cache, v_cache, block_tables, _, _ = random_paged_kv([5, 3], 1, 16, 4, torch.float32, layout="token_major")
-    out, lse = paged_prefill_attention(torch.randn(0, 2, 16), k_cache, v_cache, block_tables,
-                                       torch.zeros(3, dtype=torch.int32), torch.tensor([5, 3], dtype=torch.int32),
-                                       0.25, 0)
+    out, lse = paged_prefill_attention(*on_test_device(torch.randn(0, 2, 16), k_cache, v_cache, block_tables,
+                                                       torch.zeros(3, dtype=torch.int32),
+                                                       torch.tensor([5, 3], dtype=torch.int32)), 0.25, 0)
     assert out.shape == (0, 2, 16) and lse.shape == (0, 2)
 
 
 def test_bad_inputs_raise_value_error():
     k_cache, v_cache, block_tables, _, _ = random_paged_kv([5], 2, 16, 4, torch.float32, layout="token_major")
-    q = torch.randn(5, 4, 16)
-    cu = torch.tensor([0, 5], dtype=torch.int32)
-    context_lens = torch.tensor([5], dtype=torch.int32)
+    k_cache, v_cache, block_tables = on_test_device(k_cache, v_cache, block_tables)
+    q = torch.randn(5, 4, 16, device=TEST_DEVICE)
+    cu = torch.tensor([0, 5], dtype=torch.int32, device=TEST_DEVICE)
+    context_lens = torch.tensor([5], dtype=torch.int32, device=TEST_DEVICE)
     with pytest.raises(ValueError, match="cu_seqlens_q"):
         paged_prefill_attention(q, k_cache, v_cache, block_tables, cu.long(), context_lens, 0.25, 5)
     with pytest.raises(ValueError, match="max_seqlen_q"):
@@ -91,8 +96,10 @@ def test_rows_of_the_other_tier_come_back_empty():
     query_lens, context_lens = [1, 17, 40, 64, 16], [0, 0, 0, 64, 16]
     cu = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
     q = torch.randn(sum(query_lens), 4, 16)
-    out, lse = paged_prefill_attention(q, k_cache, v_cache, tables, cu, torch.tensor(context_lens, dtype=torch.int32),
+    out, lse = paged_prefill_attention(*on_test_device(q, k_cache, v_cache, tables, cu,
+                                                       torch.tensor(context_lens, dtype=torch.int32)),
                                        0.25, max(query_lens))
+    out, lse = out.cpu(), lse.cpu()
     masked = slice(0, 58)
     assert torch.equal(out[masked], torch.zeros_like(out[masked])) and torch.isneginf(lse[masked]).all()
     keys = [k_cache[:4].flatten(0, 1), k_cache[4]]

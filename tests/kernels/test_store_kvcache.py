@@ -3,14 +3,16 @@ import pytest
 import torch
 
 from kernels import store_kvcache
+from tests.conftest import TEST_DEVICE
+from tests.reference import on_test_device
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
-def fused_qkv_views(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, seed):
+def fused_qkv_views(num_tokens, num_q_heads, num_kv_heads, head_dim, dtype, seed, device="cpu"):
     """key/value as strided slices of one [N, Hq + 2 Hkv, D] projection, the way the attention layer sees them."""
     gen = torch.Generator().manual_seed(seed)
-    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
+    qkv = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype).to(device)
     key = qkv[:, num_q_heads : num_q_heads + num_kv_heads]
     value = qkv[:, num_q_heads + num_kv_heads :]
     return key, value
@@ -43,26 +45,28 @@ def test_store_writes_slots_and_leaves_the_rest(dtype, slot_dtype, block_size, n
     slot_mapping = slots.to(slot_dtype)
     k_ref, v_ref = expected_caches(k_cache, v_cache, key, value, slot_mapping)
 
-    store_kvcache(key, value, k_cache, v_cache, slot_mapping)
+    k_cache, v_cache, slot_mapping = on_test_device(k_cache, v_cache, slot_mapping)
+    store_kvcache(*fused_qkv_views(num_tokens, 4, num_kv_heads, head_dim, dtype, seed=3, device=TEST_DEVICE),
+                  k_cache, v_cache, slot_mapping)
 
-    assert torch.equal(k_cache, k_ref)
-    assert torch.equal(v_cache, v_ref)
+    assert torch.equal(k_cache.cpu(), k_ref)
+    assert torch.equal(v_cache.cpu(), v_ref)
 
 
 def test_all_skipped_and_empty_batches_change_nothing():
-    k_cache = torch.randn(2, 4, 2, 16)
-    v_cache = torch.randn(2, 4, 2, 16)
+    k_cache = torch.randn(2, 4, 2, 16, device=TEST_DEVICE)
+    v_cache = torch.randn(2, 4, 2, 16, device=TEST_DEVICE)
     k_before, v_before = k_cache.clone(), v_cache.clone()
-    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    store_kvcache(key, value, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int32))
-    store_kvcache(key[:0], value[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int64))
+    key, value = torch.randn(3, 2, 16, device=TEST_DEVICE), torch.randn(3, 2, 16, device=TEST_DEVICE)
+    store_kvcache(key, value, k_cache, v_cache, torch.full((3,), -1, dtype=torch.int32, device=TEST_DEVICE))
+    store_kvcache(key[:0], value[:0], k_cache, v_cache, torch.empty(0, dtype=torch.int64, device=TEST_DEVICE))
     assert torch.equal(k_cache, k_before) and torch.equal(v_cache, v_before)
 
 
 def test_bad_inputs_raise_value_error():
-    k_cache, v_cache = torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16)
-    key, value = torch.randn(3, 2, 16), torch.randn(3, 2, 16)
-    slots = torch.zeros(3, dtype=torch.int32)
+    k_cache, v_cache, key, value, slots = on_test_device(torch.randn(2, 4, 2, 16), torch.randn(2, 4, 2, 16),
+                                                         torch.randn(3, 2, 16), torch.randn(3, 2, 16),
+                                                         torch.zeros(3, dtype=torch.int32))
     with pytest.raises(ValueError, match="dtype"):
         store_kvcache(key.half(), value.half(), k_cache, v_cache, slots)
     with pytest.raises(ValueError, match="key and value"):
@@ -70,4 +74,4 @@ def test_bad_inputs_raise_value_error():
     with pytest.raises(ValueError, match="slot_mapping"):
         store_kvcache(key, value, k_cache, v_cache, slots.float())
     with pytest.raises(ValueError, match="power of two"):
-        store_kvcache(key, value, torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16), slots)
+        store_kvcache(key, value, *on_test_device(torch.randn(2, 3, 2, 16), torch.randn(2, 3, 2, 16)), slots)

@@ -1,7 +1,8 @@
 """The split attention layer on a mixed decode batch: each row attends on its own tier, in batch order.
 
 The engine's lanes keep decode batches single-tier, but the layer's contract (DESIGN.md's masked dual maps)
-covers mixed batches too, and prefill batches are mixed; this checks the decode merge path directly.
+covers mixed batches too, and prefill batches are mixed; this checks the decode merge path directly, with the
+backend the engine picks on TEST_DEVICE (the torch path on the CPU, the Triton kernels on CUDA).
 """
 import torch
 
@@ -11,7 +12,8 @@ from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.layers.attention import Attention
 from offload_engine.layers.attention_backends import select_backend
 from offload_engine.sampling_params import SamplingParams
-from tests.reference import paged_decode_reference, random_paged_kv, relative_error
+from tests.conftest import TEST_DEVICE
+from tests.reference import on_test_device, paged_decode_reference, random_paged_kv, relative_error
 
 
 def _seq(length, location, table):
@@ -32,16 +34,19 @@ def test_mixed_decode_rows_attend_on_their_own_tier():
             _seq(cpu_lens[0], BlockLocation.CPU, t_cpu[0][t_cpu[0] >= 0].tolist()),
             _seq(gpu_lens[1], BlockLocation.GPU, t_gpu[1][t_gpu[1] >= 0].tolist()),
             _seq(cpu_lens[1], BlockLocation.CPU, t_cpu[1][t_cpu[1] >= 0].tolist())]
-    meta = StepInputBuilder(torch.device("cpu"), block_size=4, cpu_block_size=8).decode(seqs).meta
+    device = torch.device(TEST_DEVICE)
+    meta = StepInputBuilder(device, block_size=4, cpu_block_size=8).decode(seqs).meta
     layer = Attention(heads, kv_heads, dim, scale=0.3)
-    layer.k_cache, layer.v_cache, layer.k_cache_cpu, layer.v_cache_cpu = k_gpu, v_gpu, k_cpu, v_cpu
-    layer.backend = select_backend("torch", torch.device("cpu"), 4)
+    layer.k_cache, layer.v_cache = on_test_device(k_gpu, v_gpu)
+    layer.k_cache_cpu, layer.v_cache_cpu = k_cpu, v_cpu  # the host tier stays on the host
+    layer.backend = select_backend("auto", device, 4)
     layer.executor = CpuAttentionExecutor(num_threads=1)
     # The newest token's K/V is written by the layer itself: take it from each sequence's own reference rows.
     keys = [keys_gpu[0], keys_cpu[0], keys_gpu[1], keys_cpu[1]]
     values = [values_gpu[0], values_cpu[0], values_gpu[1], values_cpu[1]]
     q = torch.randn(4, heads, dim)
-    out = layer(q, torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values]), meta)
+    out = layer(*on_test_device(q, torch.stack([k[-1] for k in keys]), torch.stack([v[-1] for v in values])), meta)
+    out = out.cpu()
     ref, _ = paged_decode_reference(q, keys, values, 0.3)
     assert relative_error(out, ref) < 1e-5
     for row in range(4):  # and row by row, so a swap of two rows cannot hide in the norm

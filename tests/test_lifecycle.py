@@ -1,0 +1,98 @@
+"""What an engine starts it releases: on close(), on leaving `with`, and when it is garbage collected unclosed."""
+import gc
+import threading
+import weakref
+
+import pytest
+import torch
+
+from offload_engine import LLM, SamplingParams
+from offload_engine.engine import model_runner
+from tests.conftest import TEST_DEVICE
+from tests.oracle import hf_greedy, random_prompts
+
+GREEDY = SamplingParams(temperature=0, max_tokens=6)
+OUR_THREADS = ("host-lane", "cpu-attention", "pin-host")
+
+
+def _our_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(OUR_THREADS)]
+
+
+def _two_tier_engine(model_dir: str, **kwargs) -> LLM:
+    # Budgets of 45 tokens take 3 device blocks: the 6-block device pool takes two prompts, the host the rest.
+    return LLM(model_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
+               cpu_block_size=16, **kwargs)
+
+
+def _check_generates(llm: LLM, model_dir: str, seed: int) -> None:
+    prompts = random_prompts((39, 40, 38, 20), 256, seed=seed)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert {o.kv_location for o in outputs} == {"gpu", "cpu"}
+    assert [o.token_ids for o in outputs] == hf_greedy(model_dir, prompts, GREEDY.max_tokens)
+
+
+def test_close_releases_threads_is_idempotent_and_refuses_later_use(qwen3_dir):
+    before = _our_threads()
+    llm = _two_tier_engine(qwen3_dir)
+    _check_generates(llm, qwen3_dir, seed=70)
+    assert _our_threads() != before  # the host lane and the executor were running
+    llm.close()
+    llm.close()
+    assert _our_threads() == before
+    assert llm.engine.runner.host_pool is None and llm.engine.runner.model is None
+    with pytest.raises(ValueError, match="closed"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_with_block_closes_the_engine(qwen3_dir):
+    before = _our_threads()
+    with _two_tier_engine(qwen3_dir) as llm:
+        _check_generates(llm, qwen3_dir, seed=71)
+    assert _our_threads() == before
+    with pytest.raises(ValueError, match="closed"):
+        llm.generate([[1, 2, 3]], GREEDY, use_tqdm=False)
+
+
+def test_engines_dropped_unclosed_one_after_another(qwen3_dir):
+    """Each engine is dropped without close(); its finalizer must release it (on CUDA: unpin its host pool
+    before the memory goes), so that the next one, in the same process, starts and generates exactly."""
+    before = _our_threads()
+    for round_ in range(6):
+        llm = _two_tier_engine(qwen3_dir)
+        _check_generates(llm, qwen3_dir, seed=72 + round_)
+        engine = weakref.ref(llm.engine)
+        del llm
+        gc.collect()
+        assert engine() is None, "a dropped LLM must be collected, engine and all"
+        assert _our_threads() == before
+    with _two_tier_engine(qwen3_dir) as llm:  # and a properly closed one after all of them
+        _check_generates(llm, qwen3_dir, seed=79)
+
+
+def test_an_engine_that_fails_to_start_releases_what_it_made(qwen3_dir, monkeypatch):
+    before = _our_threads()
+
+    def no_weights(*args, **kwargs):
+        raise ValueError("injected: the checkpoint lacks a weight")
+
+    monkeypatch.setattr(model_runner, "build_model", no_weights)  # after the host tier has started
+    with pytest.raises(ValueError, match="injected"):
+        _two_tier_engine(qwen3_dir)
+    gc.collect()
+    assert _our_threads() == before
+    monkeypatch.undo()
+    with _two_tier_engine(qwen3_dir) as llm:
+        _check_generates(llm, qwen3_dir, seed=80)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="device memory is only measured on CUDA")
+def test_close_gives_device_memory_back(qwen3_dir):
+    torch.cuda.empty_cache()
+    baseline = torch.cuda.memory_reserved()
+    llm = _two_tier_engine(qwen3_dir)
+    _check_generates(llm, qwen3_dir, seed=81)
+    assert torch.cuda.memory_reserved() > baseline
+    llm.close()
+    assert torch.cuda.memory_reserved() <= baseline
+
