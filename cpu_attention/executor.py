@@ -13,7 +13,7 @@ import numba
 import torch
 
 from cpu_attention.decode import CACHE_DTYPES, paged_decode_attention
-from cpu_attention.gather import gather_blocks
+from cpu_attention.gather import gather_blocks, scatter_blocks
 from cpu_attention.store import PARALLEL_MIN_TOKENS, store_kvcache
 
 
@@ -86,3 +86,4 @@ def warmup(dtypes=CACHE_DTYPES, head_dim: int = 8, block_size: int = 4) -> None:
         paged_decode_attention(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 1.0)
         gather_blocks(k_cache, torch.zeros(1, dtype=torch.int64), torch.empty_like(k_cache[:1]))
+        scatter_blocks(torch.empty_like(k_cache[:1]), torch.zeros(1, dtype=torch.int64), k_cache)

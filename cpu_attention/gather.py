@@ -1,7 +1,10 @@
-"""gather_blocks: copies chosen blocks of a host cache into a packed buffer (prefix staging for prefill).
+"""Block copies between a host cache and a packed buffer, on numba's threads.
 
-Layout: any [num_blocks, ...] contiguous cache; out [len(block_ids), ...] contiguous, same dtype. Blocks are
-copied as bit patterns (no widening), in parallel over blocks on numba's threads.
+gather_blocks: chosen blocks of the cache into a packed buffer (prefix staging for prefill, promotion).
+scatter_blocks: a packed buffer into chosen blocks of the cache (demotion from the device pool).
+
+Layout: any [num_blocks, ...] contiguous cache; the buffer [len(block_ids), ...] contiguous, same dtype.
+Blocks are copied as bit patterns (no widening), in parallel over blocks.
 
 Why not torch.index_select: a multi-threaded torch CPU op on the engine's thread starts torch's own OpenMP
 team beside numba's, and on the 16-core GPU host that halved the decode kernel's speed for the rest of the
@@ -20,17 +23,37 @@ def _gather_kernel(src, block_ids, out):
         out[i, :] = src[block_ids[i], :]
 
 
+@njit(parallel=True, nogil=True, cache=True)
+def _scatter_kernel(packed, block_ids, dst):
+    for i in prange(block_ids.shape[0]):
+        dst[block_ids[i], :] = packed[i, :]
+
+
 def gather_blocks(cache: torch.Tensor, block_ids: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
     """out[i] = cache[block_ids[i]] for every i; returns out."""
-    if not (cache.is_contiguous() and out.is_contiguous()) or cache.dtype != out.dtype:
-        raise ValueError("gather_blocks needs contiguous cache and out tensors of one dtype")
-    if out.shape[0] != block_ids.shape[0] or out.shape[1:] != cache.shape[1:]:
-        raise ValueError(f"gather_blocks: out {tuple(out.shape)} does not hold {block_ids.shape[0]} blocks of "
+    ids = _checked("gather_blocks", cache, block_ids, out)
+    _gather_kernel(_rows(cache), ids, _rows(out))
+    return out
+
+
+def scatter_blocks(packed: torch.Tensor, block_ids: torch.Tensor, cache: torch.Tensor) -> None:
+    """cache[block_ids[i]] = packed[i] for every i (ids distinct)."""
+    ids = _checked("scatter_blocks", cache, block_ids, packed)
+    _scatter_kernel(_rows(packed), ids, _rows(cache))
+
+
+def _checked(name: str, cache: torch.Tensor, block_ids: torch.Tensor, packed: torch.Tensor):
+    if not (cache.is_contiguous() and packed.is_contiguous()) or cache.dtype != packed.dtype:
+        raise ValueError(f"{name} needs contiguous cache and buffer tensors of one dtype")
+    if packed.shape[0] != block_ids.shape[0] or packed.shape[1:] != cache.shape[1:]:
+        raise ValueError(f"{name}: buffer {tuple(packed.shape)} does not hold {block_ids.shape[0]} blocks of "
                          f"{tuple(cache.shape[1:])}")
     ids = block_ids.to(torch.int64).contiguous().numpy()
     if ids.size and (ids.min() < 0 or ids.max() >= cache.shape[0]):
-        raise ValueError(f"gather_blocks: block ids must be in [0, {cache.shape[0]})")
-    bits = _BITS[cache.element_size()]
-    _gather_kernel(cache.view(bits).reshape(cache.shape[0], -1).numpy(), ids,
-                   out.view(bits).reshape(out.shape[0], -1).numpy())
-    return out
+        raise ValueError(f"{name}: block ids must be in [0, {cache.shape[0]})")
+    return ids
+
+
+def _rows(t: torch.Tensor):
+    """[n, ...] as an [n, row] array of bit patterns of the element's width."""
+    return t.view(_BITS[t.element_size()]).reshape(t.shape[0], -1).numpy()

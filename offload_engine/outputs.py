@@ -11,3 +11,4 @@ class RequestOutput:
     finish_reason: str  # "stop" (eos or a stop token) or "length" (max_tokens or max_model_len)
     kv_location: str  # "gpu" or "cpu": the tier the request's KV was placed on at admission
     kv_promoted: bool = False  # its KV moved from the host tier to the device pool partway (kv_promotion)
+    kv_demoted: bool = False  # its KV moved from the device pool to the host tier partway (device overflow)

@@ -4,10 +4,10 @@ Promotion (engine/placement.py says when) moves a decoding host-tier sequence in
 crosses PCIe once (~55 GB/s pinned on the H200 host, about what one host decode step of it reads), and from
 then on every step of it runs at device speed.
 
-Per group of layers: the sequences' host blocks are gathered into one pinned buffer (numba, on the host
+Per group of layers: the sequences' host blocks are gathered into a pinned staging slot (numba, on the host
 executor: see cpu_attention/gather.py for why not a torch CPU op), cross to the device in one copy, and are
 transposed there from the host tier's head-major blocks to the token-major rows that the device backend's
-`store_kvcache` writes into the new slots.
+`store_kvcache` writes into the new slots. Slots come from MoveStaging, reused for every move.
 """
 from collections import deque
 
@@ -15,16 +15,15 @@ import numpy as np
 import torch
 
 from cpu_attention.gather import gather_blocks
+from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for
 
-GROUP_BYTES = 256 << 20  # pinned staging per copy: bounds host memory however long the sequences are
-
 
 def copy_to_device(moves: list[tuple[Sequence, list[int]]], host_layers, device_layers, executor, store_kvcache,
-                   device_block_size: int) -> None:
+                   device_block_size: int, staging: MoveStaging) -> None:
     """moves: (sequence, the host blocks holding its KV); each sequence's `block_table` already names its device
-    blocks and `num_computed_tokens` says how many tokens have KV. Returns once the host buffers are read."""
+    blocks and `num_computed_tokens` says how many tokens have KV. Returns once the host blocks are read."""
     _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
     device = device_layers[0][0].device
     sources, rows, slots = [], [], []
@@ -37,35 +36,34 @@ def copy_to_device(moves: list[tuple[Sequence, list[int]]], host_layers, device_
     source = torch.tensor(sources, dtype=torch.int64)
     rows = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
     slots = torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True)
-    layer_bytes = 2 * len(sources) * num_kv_heads * host_block_size * head_dim * host_layers[0][0].element_size()
+    block_shape = (len(sources), num_kv_heads, host_block_size, head_dim)
+    layer_bytes = 2 * host_layers[0][0].element_size() * int(np.prod(block_shape))
     group = max(1, GROUP_BYTES // max(1, layer_bytes))
-    groups = [range(first, min(first + group, len(host_layers))) for first in range(0, len(host_layers), group)]
     # Two groups in flight: the executor gathers the next group while this one crosses PCIe and is stored.
     pending = deque()
-    for layers in groups:
-        pending.append(_start_gather(executor, host_layers, layers, source, device))
+    for first in range(0, len(host_layers), group):
         if len(pending) == 2:
-            _store_group(*pending.popleft(), device_layers, rows, slots, store_kvcache)
+            _store_group(*pending.popleft(), device_layers, rows, slots, store_kvcache, staging)
+        layers = range(first, min(first + group, len(host_layers)))
+        slot, host_buffer, device_buffer = staging.take((len(layers), 2, *block_shape), host_layers[0][0].dtype)
+        gathered = executor.submit(_gather_layers, host_layers, layers, source, host_buffer)
+        pending.append((layers, slot, host_buffer, device_buffer, gathered))
     while pending:
-        _store_group(*pending.popleft(), device_layers, rows, slots, store_kvcache)
+        _store_group(*pending.popleft(), device_layers, rows, slots, store_kvcache, staging)
 
 
-def _start_gather(executor, host_layers, layers: range, source: torch.Tensor, device: torch.device):
-    _, num_kv_heads, block_size, head_dim = host_layers[0][0].shape
-    # A fresh pinned buffer per group: torch's host allocator does not hand it out again until the
-    # non-blocking copy that reads it has finished.
-    staged = torch.empty((len(layers), 2, source.numel(), num_kv_heads, block_size, head_dim),
-                         dtype=host_layers[0][0].dtype, pin_memory=device.type == "cuda")
-    return layers, staged, executor.submit(_gather_layers, host_layers, layers, source, staged)
-
-
-def _store_group(layers: range, staged: torch.Tensor, gathered, device_layers, rows, slots, store_kvcache) -> None:
+def _store_group(layers: range, slot: int, host_buffer, device_buffer, gathered, device_layers, rows, slots,
+                 store_kvcache, staging: MoveStaging) -> None:
     gathered.result()
-    on_device = staged.to(device_layers[0][0].device, non_blocking=True)
-    num_kv_heads, head_dim = staged.shape[3], staged.shape[5]
+    device_buffer.copy_(host_buffer, non_blocking=True)
+    if device_buffer.device.type == "cuda":
+        crossed = torch.cuda.Event()
+        crossed.record()
+        staging.busy_until(slot, crossed)  # the host slot is free again once the copy has read it
+    num_kv_heads, head_dim = device_buffer.shape[3], device_buffer.shape[5]
     for i, layer in enumerate(layers):
         # [blocks, Hkv, block_size, D] -> token rows [blocks * block_size, Hkv, D] -> the moved tokens
-        k, v = (on_device[i, j].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[rows] for j in (0, 1))
+        k, v = (device_buffer[i, j].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[rows] for j in (0, 1))
         store_kvcache(k, v, *device_layers[layer], slots)
 
 

@@ -5,10 +5,14 @@ milliseconds; host-tier sequences decode on a "host-lane" thread, where each ste
 attention kernel layer by layer. The lanes run at once, so the device tier never waits for the host tier:
 while one host-tier step is in flight, many device-tier steps (and prefills) go by, and its tokens are
 taken in by whichever step finds it done. All scheduling happens on the engine's thread; a sequence in
-flight is left alone until it comes back. Host-tier sequences that are not in flight may be promoted into
-device-pool room that no waiting request could take (engine/placement.py), so the GPU lane does not idle
-while the host lane decodes the tail of a batch; those that room is about to free up for sit out the
-next host step (Scheduler.promotion_hold_back), so they are at hand when it does.
+flight is left alone until it comes back.
+
+Sequences move between the lanes (engine/placement.py decides): a device-tier sequence that the device pool
+has no room for is demoted into the host lane, and host-tier sequences that are not in flight are promoted
+into freed device room before new requests take it, so the device lane stays as full as under "gpu" and
+never idles while the host lane decodes the tail of a batch. Host sequences that room is about to free up
+for sit out the next host step (Scheduler.promotion_hold_back), so they are at hand when it does. Both
+lanes' step times feed LaneStats, which placement's cost check predicts from.
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -16,6 +20,7 @@ from dataclasses import dataclass
 
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.model_runner import ModelRunner
 from offload_engine.engine.placement import can_ever_fit
 from offload_engine.engine.scheduler import Scheduler
@@ -39,13 +44,13 @@ class LLMEngine:
         self.closed = False
         self.blocks = BlockManager(self.runner.num_gpu_blocks, cfg.block_size, self.runner.num_cpu_blocks,
                                    cfg.cpu_block_size, cfg.enable_prefix_caching)
+        self.stats = LaneStats(model_cfg.kv_bytes_per_token(dtype))
         self.scheduler = Scheduler(self.blocks, cfg.kv_placement, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   max_model_len, eos_token_ids, cfg.kv_promotion)
+                                   max_model_len, eos_token_ids, cfg.kv_promotion, self.stats)
         self.host_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-lane")
         self.in_flight: tuple[list[Sequence], Future] | None = None  # the host lane's decode step
         # The latest step times of each lane: how many device steps one host step spans (promotion look-ahead).
         self.host_step_seconds = self.device_step_seconds = 0.0
-        self.host_step_began = 0.0
 
     def make_sequence(self, token_ids: list[int], params) -> Sequence:
         """A sequence for the request, or ValueError if no pool it may use could ever hold it."""
@@ -66,25 +71,37 @@ class LLMEngine:
         return self.scheduler.has_work()
 
     def step(self) -> StepStats:
+        stats = self._step()
+        if not self.has_work():
+            self.runner.check_host_writes(wait=True)  # settled before generate() returns: errors surface here
+        return stats
+
+    def _step(self) -> StepStats:
         start = time.perf_counter()
         finished, num_tokens = self._take_host_step(wait=False)
+        # Host-tier sequences take freed device room before new requests do, as "gpu" re-admits its
+        # preempted sequences first (engine/placement.py).
+        moves = self.scheduler.schedule_promotions()
+        if moves:
+            self.runner.promote(moves)
         batch = self.scheduler.schedule_prefill()
         if batch:
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=True))
             num_tokens = sum(s.num_scheduled_tokens for s in batch)
             return StepStats(True, num_tokens, time.perf_counter() - start, finished)
-        moves = self.scheduler.schedule_promotions()  # host-tier sequences not in flight, into free device room
-        if moves:
-            self.runner.promote(moves)
         if self.in_flight is None:
             horizon = self.host_step_seconds / max(self.device_step_seconds, 1e-4) + 1
             self._start_host_step(self.scheduler.schedule_decode(
                 BlockLocation.CPU, hold_back=self.scheduler.promotion_hold_back(horizon)))
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
+        demoted = self.scheduler.take_demotions()
+        if demoted:
+            self.runner.demote(demoted)  # queued before the step that reuses their device blocks
         if batch:
-            began = time.perf_counter()
+            host_busy, began = self.in_flight is not None, time.perf_counter()
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=False))
             self.device_step_seconds = time.perf_counter() - began
+            self.stats.device_step_done(len(batch), self.device_step_seconds, host_busy)
             num_tokens += len(batch)
         elif self.in_flight is not None:
             more, count = self._take_host_step(wait=True)  # nothing else to do until it is back
@@ -98,8 +115,15 @@ class LLMEngine:
             return
         for seq in batch:
             seq.in_flight = True
-        self.host_step_began = time.perf_counter()
-        self.in_flight = (batch, self.host_lane.submit(self.runner.run, batch, False, "host"))
+        self.in_flight = (batch, self.host_lane.submit(self._host_step, batch))
+
+    def _host_step(self, batch: list[Sequence]) -> list[int]:
+        """One host-lane decode step, on the host lane's thread, timed for the cost check."""
+        began = time.perf_counter()
+        tokens = self.runner.run(batch, False, "host")
+        self.host_step_seconds = time.perf_counter() - began
+        self.stats.host_step(sum(map(len, batch)) * self.stats.kv_bytes_per_token, self.host_step_seconds)
+        return tokens
 
     def _take_host_step(self, wait: bool) -> tuple[list[Sequence], int]:
         """Postprocesses the host lane's step if it is back (or, with wait, once it is)."""
@@ -107,7 +131,6 @@ class LLMEngine:
             return [], 0
         batch, future = self.in_flight
         self.in_flight = None
-        self.host_step_seconds = time.perf_counter() - self.host_step_began
         for seq in batch:
             seq.in_flight = False
         return self.scheduler.postprocess(batch, future.result()), len(batch)

@@ -1,10 +1,12 @@
 """Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens."""
+import contextlib
 import time
 
 import torch
 
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from offload_engine.config import EngineConfig, ModelConfig
+from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.layers.attention_backends import select_backend
@@ -21,9 +23,12 @@ class ModelRunner:
         self.cfg, self.model_cfg, self.dtype = cfg, model_cfg, dtype
         self.device = cfg.torch_device
         self.max_model_len = max_model_len
-        self.model = self.device_pool = self.host_pool = self.executor = None
+        self.model = self.backend = self.device_pool = self.host_pool = self.executor = None
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.decode_graphs: dict = {}
+        self.streams: dict[str, torch.cuda.Stream] = {}
+        self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
+        self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
         self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
         try:
             self._start(model_dir)
@@ -49,6 +54,9 @@ class ModelRunner:
             self.startup_seconds["pin"] = self.host_pool.wait_pinned()
         self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
         self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # what start-up queued on the default stream is done
+            self.streams = {"device": torch.cuda.Stream(self.device, priority=-1), "host": torch.cuda.Stream(self.device)}
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
         self.startup_seconds["total"] = time.perf_counter() - began
@@ -74,7 +82,7 @@ class ModelRunner:
         if blocks < 1:
             raise ValueError("no GPU memory is left for the KV cache after the model and its activations: raise "
                              "gpu_memory_utilization, lower max_num_batched_tokens, or set num_gpu_blocks")
-        return blocks
+        return min(blocks, self._wanted_blocks(self.cfg.block_size))  # more could never be used at once
 
     def allocate_device_pool(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         cfg = self.model_cfg
@@ -132,6 +140,7 @@ class ModelRunner:
         for graphs in self.decode_graphs.values():
             graphs.release()
         self.decode_graphs = {}
+        self.move_staging.release()
         if self.model is not None:
             self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
         if self.host_pool is not None:
@@ -145,25 +154,52 @@ class ModelRunner:
         """Copies promoted sequences' KV from their old host blocks into their new device blocks."""
         from offload_engine.engine.kv_promotion import copy_to_device
 
-        with torch.inference_mode():
+        with torch.inference_mode(), self._lane_stream("device"):
             copy_to_device(moves, self.host_pool.layers, self.device_pool, self.executor, self.backend.store_kvcache,
-                           self.cfg.block_size)
+                           self.cfg.block_size, self.move_staging)
+
+    def demote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
+        """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
+        device has the copies queued; the host writes finish on the executor (engine/kv_demotion.py)."""
+        from offload_engine.engine.kv_demotion import copy_to_host
+
+        with torch.inference_mode(), self._lane_stream("device"):
+            self._host_writes += copy_to_host(moves, self.device_pool, self.host_pool.layers, self.executor,
+                                              self.cfg.block_size, self.move_staging)
+
+    def check_host_writes(self, wait: bool = False) -> None:
+        """Raises the error of a host-pool write that failed on the executor; with wait, first lets all finish.
+        Nothing waits for these writes otherwise: every later reader of those host blocks runs on the executor
+        after them (host decode, prefix staging, promotion), so the device lane never does."""
+        pending, self._host_writes = self._host_writes, []
+        for write in pending:
+            if wait or write.done():
+                write.result()
+            else:
+                self._host_writes.append(write)
+
+    def _lane_stream(self, lane: str):
+        """The lane's own CUDA stream: host-lane work (its rows' layers, its copies) queues beside the device
+        lane's steps instead of in front of them, and the device lane's stream has the higher priority."""
+        stream = self.streams.get(lane)
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, lane: str = "device") -> list[int]:
         """One step for `seqs`. Decode steps of the two lanes may run at once, from two threads: each lane has
-        its own graphs and generator, and shares nothing else that a step writes."""
-        step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
-        graphs = self.decode_graphs.get(lane)
-        if not is_prefill and graphs is not None and graphs.fits(len(seqs), step.meta):
-            logits = graphs.run(step.token_ids, step.positions, step.meta)
-        else:
-            hidden = self.model(step.token_ids, step.positions, step.meta)
-            logits = self.model.compute_logits(hidden[step.sample_rows])
-        for write in step.meta.pending_host_writes:
-            write.result()  # the next step may stage these blocks back
-        return sample(logits, self._sampling_batch(seqs), self.generators[lane]).tolist()
+        its own graphs, generator and CUDA stream, and shares nothing else that a step writes."""
+        self.check_host_writes()
+        with self._lane_stream(lane):
+            step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
+            graphs = self.decode_graphs.get(lane)
+            if not is_prefill and graphs is not None and graphs.fits(len(seqs), step.meta):
+                logits = graphs.run(step.token_ids, step.positions, step.meta)
+            else:
+                hidden = self.model(step.token_ids, step.positions, step.meta)
+                logits = self.model.compute_logits(hidden[step.sample_rows])
+            self._host_writes += step.meta.pending_host_writes  # host-tier prefill: not waited for
+            return sample(logits, self._sampling_batch(seqs), self.generators[lane]).tolist()
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]
@@ -171,11 +207,14 @@ class ModelRunner:
         for seq in seqs:
             if seq.params.seed is not None and seq.generator is None:
                 seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        # A prefill chunk that does not finish its prompt samples a token nobody keeps: it must not draw from
+        # the request's own generator, or its tokens would depend on how the batch happened to be chunked.
+        kept = [s.num_computed_tokens + s.num_scheduled_tokens >= len(s) for s in seqs]
         return SamplingBatch(
             temperatures=self.inputs.to_device([p.temperature for p in params], torch.float32),
             top_ks=self.inputs.to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
             top_ps=self.inputs.to_device([p.top_p for p in params], torch.float32),
-            generators=[s.generator for s in seqs],
+            generators=[s.generator if keep else None for s, keep in zip(seqs, kept)],
             all_greedy=all(p.greedy for p in params),
             needs_filter=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
         )

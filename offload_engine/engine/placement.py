@@ -1,23 +1,31 @@
-"""The one place that decides which KV tier a sequence lives on.
+"""The one place that decides which KV tier a sequence lives on, and when it moves between them.
 
-- "gpu": the device pool only (sequences wait, or the newest are preempted, when it is full).
+- "gpu": the device pool only. A sequence is admitted when its prompt fits what is free now; when a decode
+  step finds no block for a sequence's next token, the newest device sequence is preempted and recomputed.
 - "cpu": the host pool only.
-- "auto": the device pool while it has room for the sequence's whole budget (prompt + max_tokens, capped at
-  max_model_len) on top of what the sequences already there will still grow into; otherwise the host pool.
-  A sequence larger than the whole device pool always goes to the host.
-
-Promotion ("auto" with kv_promotion): when the device pool has room that no waiting request took, host-tier
-sequences that fit it by the same rule move up, oldest first. Without it, a batch whose device-tier share
-finishes first would leave the GPU idle while the host tier decodes the rest at host speed.
+- "auto": never slower than "gpu" at the same device budget (DESIGN.md, "Placement"):
+  - The device tier is packed exactly as "gpu" packs it: admitted when the prompt fits what is free now.
+  - Overflow goes to the host tier, not to recompute. A sequence the device cannot take now starts on the
+    host tier; when a device-lane step has no block for a sequence's next token, the newest device sequence
+    is demoted (its KV copied to host blocks) and goes on decoding in the host lane. Recompute only when
+    the host pool is full too.
+  - Promotion: when device room frees, host sequences move back up, oldest first, before new requests are
+    admitted (as "gpu" re-admits its preempted sequences first).
+  - The cost check: a sequence joins the host lane only when that is predicted to add throughput
+    (`host_lane_pays`), otherwise it waits (or is recomputed) as under "gpu".
+  - A sequence larger than the whole device pool can only live on the host tier.
 """
 from collections.abc import Iterable, Iterator
 
 from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.sequence import BlockLocation, Sequence
+
+GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
 
 
 def tiers_allowed(policy: str) -> tuple[BlockLocation, ...]:
-    return {"gpu": (BlockLocation.GPU,), "cpu": (BlockLocation.CPU,)}.get(policy, (BlockLocation.GPU, BlockLocation.CPU))
+    return {"gpu": (GPU,), "cpu": (CPU,)}.get(policy, (GPU, CPU))
 
 
 def can_ever_fit(seq: Sequence, policy: str, blocks: BlockManager) -> bool:
@@ -25,35 +33,70 @@ def can_ever_fit(seq: Sequence, policy: str, blocks: BlockManager) -> bool:
     return any(blocks.pool(t).blocks_for(seq.budget) <= blocks.pool(t).num_blocks for t in tiers_allowed(policy))
 
 
-def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[Sequence]) -> BlockLocation | None:
-    """The tier to admit `seq` on now, or None if it has to wait for room."""
+def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[Sequence],
+                stats: LaneStats | None = None, waiting: Iterable[Sequence] = ()) -> BlockLocation | None:
+    """The tier to admit `seq` on now, or None if it has to wait for room. `waiting`: the requests queued
+    behind it, which would join the host lane with it."""
     if policy in ("gpu", "cpu"):
         tier = tiers_allowed(policy)[0]
         return tier if blocks.can_allocate(seq, tier) else None
-    if blocks.pool(BlockLocation.GPU).blocks_for(seq.budget) <= _device_room(running, blocks):
-        return BlockLocation.GPU
-    if blocks.pool(BlockLocation.CPU).blocks_for(seq.budget) <= blocks.pool(BlockLocation.CPU).num_blocks:
-        return BlockLocation.CPU if blocks.can_allocate(seq, BlockLocation.CPU) else None
+    device_ever = blocks.pool(GPU).blocks_for(seq.budget) <= blocks.pool(GPU).num_blocks
+    if device_ever and blocks.can_allocate(seq, GPU):
+        return GPU
+    if not blocks.can_allocate(seq, CPU):
+        return None
+    if not device_ever or host_lane_pays(seq, running, stats, joining=waiting):
+        return CPU
     return None
 
 
+def demotes(victim: Sequence, policy: str, blocks: BlockManager, running: list[Sequence],
+            stats: LaneStats | None) -> bool:
+    """Whether a device sequence that must give up its blocks moves to the host tier (else: recomputed)."""
+    if policy != "auto":
+        return False
+    host = blocks.pool(CPU)
+    return host.blocks_for(len(victim)) <= host.num_free and host_lane_pays(victim, running, stats)
+
+
+def host_lane_pays(seq: Sequence, running: Iterable[Sequence], stats: LaneStats | None,
+                   joining: Iterable[Sequence] = ()) -> bool:
+    """Whether seq as one more host-lane row adds tokens per second overall.
+
+    The host lane gives rows / step_time tokens per second, with step_time predicted from the KV bytes its
+    rows hold (LaneStats); seq changes that by `gain`. Waking the lane from idle also slows every device step
+    by the measured slowdown, which costs the device lane that share of its tokens: that is weighed against
+    what the lane would give with every row that would start it together (seq and `joining`). Until the
+    engine has measured host steps there is nothing to predict from, and the lane is tried."""
+    if stats is None or stats.kv_bytes_per_token is None:
+        return True
+    host_tokens = [len(s) for s in running if s.location == CPU and s is not seq]
+    if not host_tokens:
+        host_tokens_after = [len(seq)] + [len(s) for s in joining if s is not seq]
+        rate_after = _host_rate(host_tokens_after, stats)
+        if rate_after is None or not stats.device_tok_s.value:
+            return True
+        return rate_after > stats.device_tok_s.value * (1 - 1 / stats.slowdown)
+    before, after = _host_rate(host_tokens, stats), _host_rate(host_tokens + [len(seq)], stats)
+    return before is None or after is None or after > before
+
+
+def _host_rate(row_tokens: list[int], stats: LaneStats) -> float | None:
+    """Host-lane tokens per second with rows of these lengths (None: not predictable yet)."""
+    seconds = stats.host_step_seconds(sum(row_tokens) * stats.kv_bytes_per_token)
+    return None if seconds is None else len(row_tokens) / max(seconds, 1e-9)
+
+
 def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: int = 0) -> Iterator[Sequence]:
-    """Host-tier sequences, oldest first, whose whole budget the device pool has room for (each one taken
-    reserves its budget for the next), skipping those in flight or still in prefill. extra_room: blocks
-    that are about to free up, to ask which sequences will fit then."""
-    gpu = blocks.pool(BlockLocation.GPU)
-    room = _device_room(running, blocks) + extra_room
+    """Host-tier sequences, oldest first, that the device pool can take now by "gpu"'s rule (their KV and the
+    next token fit what is free), skipping those in flight or still in prefill. extra_room: blocks that are
+    about to free up, to ask which sequences will fit then."""
+    gpu = blocks.pool(GPU)
+    room = gpu.num_free + extra_room
     for seq in running:
-        if seq.location != BlockLocation.CPU or seq.in_flight or seq.in_prefill:
+        if seq.location != CPU or seq.in_flight or seq.in_prefill:
             continue
-        needed = gpu.blocks_for(seq.budget)
-        if needed <= room:
+        needed = gpu.blocks_for(len(seq) + 1)
+        if gpu.blocks_for(seq.budget) <= gpu.num_blocks and needed <= room:
             room -= needed
             yield seq
-
-
-def _device_room(running: Iterable[Sequence], blocks: BlockManager) -> int:
-    """Free device blocks that the running device-tier sequences will not still take to reach their budgets."""
-    gpu = blocks.pool(BlockLocation.GPU)
-    owed = sum(max(0, gpu.blocks_for(s.budget) - len(s.block_table)) for s in running if s.location == BlockLocation.GPU)
-    return gpu.num_free - owed

@@ -3,21 +3,25 @@
 A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens` tokens) or a decode step
 (one token for every running sequence of one tier: decode runs in two lanes, see engine/llm_engine.py).
 Prefill goes first, so new requests join the batch as soon as a tier has room for them. When a decode step
-finds no room for a sequence's next token, the newest sequence on the same tier is preempted: its blocks are
-freed and it is recomputed later. Sequences in flight in the host lane are never touched. No request is
-dropped. With kv_promotion ("auto"), device-pool room that no waiting request takes goes to host-tier
-sequences, which move up (schedule_promotions).
+finds no room for a sequence's next token, the newest sequence on the same tier gives up its blocks: under
+"auto" a device sequence is demoted to the host tier where placement allows (its KV is copied, it goes on
+decoding in the host lane), otherwise it is preempted and recomputed later. Sequences in flight in the host
+lane are never touched. No request is dropped. With kv_promotion ("auto"), host-tier sequences move back up
+into device room before new requests take it (schedule_promotions). Which tier, and whether a move pays, is
+engine/placement.py's to say.
 """
 from collections import deque
 
 from offload_engine.engine.block_manager import BlockManager
-from offload_engine.engine.placement import choose_tier, promotions
+from offload_engine.engine.lane_stats import LaneStats
+from offload_engine.engine.placement import choose_tier, demotes, promotions
 from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
 
 
 class Scheduler:
     def __init__(self, blocks: BlockManager, kv_placement: str, max_num_seqs: int, max_num_batched_tokens: int,
-                 max_model_len: int, eos_token_ids: tuple[int, ...], kv_promotion: bool = False):
+                 max_model_len: int, eos_token_ids: tuple[int, ...], kv_promotion: bool = False,
+                 stats: LaneStats | None = None):
         self.blocks = blocks
         self.kv_placement = kv_placement
         self.kv_promotion = kv_promotion and kv_placement == "auto"
@@ -27,8 +31,11 @@ class Scheduler:
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order: the newest is preempted first
+        self.stats = stats  # the lanes' measured costs, for placement's cost check
+        self.demotions: list[tuple[Sequence, list[int]]] = []  # made by schedule_decode, copied by the engine
         self.num_preemptions = 0
         self.num_promotions = 0
+        self.num_demotions = 0
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -37,6 +44,7 @@ class Scheduler:
         """Forgets every request (LLMEngine.abort)."""
         self.waiting.clear()
         self.running.clear()
+        self.demotions = []
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -50,7 +58,7 @@ class Scheduler:
                 batch.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            tier = choose_tier(seq, self.kv_placement, self.blocks, self.running)
+            tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self.waiting)
             if tier is None:
                 break
             self.blocks.allocate(seq, tier)
@@ -75,7 +83,7 @@ class Scheduler:
                 continue
             while not self.blocks.can_append(seq):
                 victim = self._newest_on_tier(seq)
-                self._preempt(victim)
+                self._make_room(victim)
                 if victim is seq:
                     break
             else:
@@ -83,6 +91,12 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 batch.append(seq)
         return batch
+
+    def take_demotions(self) -> list[tuple[Sequence, list[int]]]:
+        """The sequences schedule_decode demoted, each with the device blocks that still hold its KV until the
+        next device step writes into them: the engine queues their copy before that step."""
+        demotions, self.demotions = self.demotions, []
+        return demotions
 
     def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
         """Host-tier sequences to move into the device pool now (engine/placement.py picks them), each with the
@@ -104,8 +118,7 @@ class Scheduler:
         is there instead of a whole host step later, while the device lane runs dry."""
         if not self.kv_promotion:
             return frozenset()
-        gpu = self.blocks.pool(BlockLocation.GPU)
-        freeing = sum(gpu.blocks_for(s.budget) for s in self.running
+        freeing = sum(len(s.block_table) for s in self.running
                       if s.location == BlockLocation.GPU and not s.in_prefill and s.tokens_left <= horizon_steps)
         if not freeing:
             return frozenset()
@@ -115,6 +128,17 @@ class Scheduler:
         """The most recently admitted running sequence on seq's tier (seq itself if it is the newest)."""
         return next(s for s in reversed(self.running)
                     if s.location == seq.location and not s.in_flight and not s.in_prefill)
+
+    def _make_room(self, victim: Sequence) -> None:
+        """Frees a decoding sequence's blocks on its tier: demoted to the host tier where placement says so,
+        else preempted."""
+        if victim.location == BlockLocation.GPU and demotes(victim, self.kv_placement, self.blocks, self.running,
+                                                             self.stats):
+            self.demotions.append((victim, self.blocks.move(victim, BlockLocation.CPU)))
+            victim.demoted = True
+            self.num_demotions += 1
+        else:
+            self._preempt(victim)
 
     def _preempt(self, seq: Sequence) -> None:
         self.blocks.deallocate(seq)

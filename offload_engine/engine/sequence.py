@@ -31,6 +31,7 @@ class Sequence:
         self.location: BlockLocation | None = None  # where its KV lives now (engine/placement.py decides)
         self.admitted_to: BlockLocation | None = None  # the tier chosen at admission, kept for the output
         self.promoted = False  # its KV moved from the host tier to the device pool (engine/kv_promotion.py)
+        self.demoted = False  # its KV moved from the device pool to the host tier (engine/kv_demotion.py)
         self.block_table: list[int] = []  # block ids in its tier's pool
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_scheduled_tokens = 0  # tokens this step computes

@@ -48,5 +48,5 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     max_seqlen_q: int = 0
     staging: PrefixStaging | None = None
-    # Host-pool writes still running on the CPU executor; the runner waits for them before the step ends.
+    # Host-pool writes still running on the CPU executor; the runner tracks them (ModelRunner.check_host_writes).
     pending_host_writes: list[Future] = field(default_factory=list)

@@ -5,9 +5,11 @@ import torch
 from cpu_attention import CpuAttentionExecutor
 from offload_engine import LLM, SamplingParams
 from offload_engine.engine import kv_promotion
+from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
-from offload_engine.layers import torch_attention
+from offload_engine.layers.attention_backends import select_backend
+from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
@@ -28,7 +30,9 @@ def test_copy_moves_every_token_to_its_new_device_slot(dtype, group_bytes, monke
     gen = torch.Generator().manual_seed(7)
     layers, hkv, d, host_bs, dev_bs = 3, 2, 8, 8, 4
     host = [tuple(torch.randn(12, hkv, host_bs, d, generator=gen).to(dtype) for _ in "kv") for _ in range(layers)]
-    device = [tuple(torch.full((20, dev_bs, hkv, d), float("nan"), dtype=dtype) for _ in "kv") for _ in range(layers)]
+    device = [tuple(torch.full((20, dev_bs, hkv, d), float("nan"), dtype=dtype, device=TEST_DEVICE) for _ in "kv")
+              for _ in range(layers)]
+    store = select_backend("auto", torch.device(TEST_DEVICE), dev_bs).store_kvcache  # the engine's own choice
     # Lengths at, just past and well inside block boundaries of both tiers; host blocks shuffled.
     lengths, host_tables, dev_tables = (8, 13, 1), ([5, 2], [11, 0], [7]), ([3, 9], [0, 17, 4, 12], [19])
     moves = []
@@ -37,7 +41,10 @@ def test_copy_moves_every_token_to_its_new_device_slot(dtype, group_bytes, monke
         seq.num_computed_tokens, seq.block_table = n, dev_table
         moves.append((seq, host_table))
     with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
-        kv_promotion.copy_to_device(moves, host, device, executor, torch_attention.store_kvcache, dev_bs)
+        # Two slots for three groups: the third reuses the first once its copy has read it.
+        kv_promotion.copy_to_device(moves, host, device, executor, store, dev_bs,
+                                    MoveStaging(torch.device(TEST_DEVICE), num_slots=2))
+    device = [(k.cpu(), v.cpu()) for k, v in device]
     for (seq, host_table), n in zip(moves, lengths):
         for layer in range(layers):
             for which in (0, 1):
@@ -63,7 +70,7 @@ def test_move_re_homes_the_blocks_and_registers_them_for_prefix_reuse():
 
 
 def _promoted_run(model_dir, prompts, max_tokens, **kwargs):
-    llm = LLM(model_dir, device="cpu", kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
+    llm = LLM(model_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
               cpu_block_size=16, **kwargs)
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     return llm, llm.generate(prompts, params, use_tqdm=False)
@@ -93,7 +100,7 @@ def test_without_promotion_host_sequences_stay_on_the_host(qwen3_dir):
 
 def test_kv_promotion_must_be_a_bool(qwen3_dir):
     with pytest.raises(ValueError, match="kv_promotion"):
-        LLM(qwen3_dir, device="cpu", kv_promotion="yes")
+        LLM(qwen3_dir, device=TEST_DEVICE, kv_promotion="yes")
 
 
 

@@ -1,0 +1,128 @@
+"""How much a running host lane slows the device lane: device-tier decode step times, host lane idle vs busy.
+
+    python benchmarks/bench_lane_interference.py            # GPU host, Qwen3-0.6B shape
+
+The same D device-tier sequences decode twice: alone (the host lane idle), and beside H host-tier sequences
+whose steps are in flight the whole time (promotion off, placement forced: the first D requests on the
+device tier, the rest on the host tier). Every device-lane decode step is timed on the engine's thread
+(wall and thread CPU time), and so is every host-lane step on its own thread. The slowdown is the median
+device step at full batch with a host step in flight, over the median with the host lane idle.
+Writes benchmarks/results/<device>/lane_interference.json (or --out).
+"""
+import argparse
+import json
+import os
+import statistics
+import threading
+import time
+
+import torch
+
+from benchmarks.engine_run import random_prompts
+from offload_engine import LLM, SamplingParams
+from offload_engine.engine import scheduler as scheduler_module
+from offload_engine.engine.sequence import BlockLocation
+
+
+def force_placement(num_device: int) -> None:
+    """The first num_device admissions go to the device tier, every later one to the host tier."""
+    admitted = []
+
+    def choose(seq, policy, blocks, running, *args, **kwargs):
+        tier = BlockLocation.GPU if len(admitted) < num_device else BlockLocation.CPU
+        if not blocks.can_allocate(seq, tier):
+            return None
+        admitted.append(seq.seq_id)
+        return tier
+
+    scheduler_module.choose_tier = choose
+
+
+def timed_runs(llm: LLM) -> list[dict]:
+    """Wraps the runner so every step records its lane, batch, wall and thread CPU time, and (device lane)
+    whether a host step was in flight while it ran."""
+    engine, records = llm.engine, []
+    run = engine.runner.run
+
+    def timed(seqs, is_prefill, lane="device"):
+        busy = engine.in_flight is not None
+        wall, cpu = time.perf_counter(), time.thread_time()
+        tokens = run(seqs, is_prefill, lane)
+        records.append({"lane": lane, "prefill": is_prefill, "batch": len(seqs), "host_busy": busy,
+                        "wall_ms": 1e3 * (time.perf_counter() - wall), "cpu_ms": 1e3 * (time.thread_time() - cpu),
+                        "thread": threading.current_thread().name})
+        return tokens
+
+    engine.runner.run = timed
+    return records
+
+
+def summarize(records: list[dict], batch: int) -> dict:
+    device = [r for r in records if r["lane"] == "device" and not r["prefill"] and r["batch"] == batch]
+    host = [r for r in records if r["lane"] == "host"]
+
+    def median(rows, key):
+        return statistics.median(r[key] for r in rows) if rows else None
+
+    idle, busy = [r for r in device if not r["host_busy"]], [r for r in device if r["host_busy"]]
+    return {"device_steps_idle": len(idle), "device_steps_busy": len(busy),
+            "device_step_ms_idle": median(idle, "wall_ms"), "device_step_ms_busy": median(busy, "wall_ms"),
+            "device_cpu_ms_idle": median(idle, "cpu_ms"), "device_cpu_ms_busy": median(busy, "cpu_ms"),
+            "host_steps": len(host), "host_step_ms": median(host, "wall_ms"), "host_cpu_ms": median(host, "cpu_ms")}
+
+
+def run_case(path: str, args, with_host: bool) -> dict:
+    vocab = 400 if args.model == "tiny" else 10000
+    device_prompts = random_prompts([args.device_prompt] * args.device_seqs, vocab, seed=1)
+    host_prompts = random_prompts([args.host_prompt] * args.host_seqs, vocab, seed=2) if with_host else []
+    budget = -(-(args.device_prompt + args.output) // 16)
+    llm = LLM(path, kv_placement="auto", kv_promotion=False, num_gpu_blocks=args.device_seqs * budget + 16,
+              cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_num_seqs=args.device_seqs + args.host_seqs,
+              max_model_len=max(args.device_prompt, args.host_prompt) + args.output)
+    llm.generate([[7] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
+    force_placement(args.device_seqs)
+    records = timed_runs(llm)
+    params = SamplingParams(temperature=0.6, max_tokens=args.output, ignore_eos=True)
+    # Host-tier sequences are admitted after the device ones, so their prompts go last and start last.
+    start = time.perf_counter()
+    outputs = llm.generate(device_prompts + host_prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+    assert [o.kv_location for o in outputs] == ["gpu"] * args.device_seqs + ["cpu"] * len(host_prompts)
+    llm.close()
+    return {"seconds": seconds, **summarize(records, args.device_seqs)}
+
+
+def main() -> None:
+    from benchmarks.bench_throughput import RESULTS, device_slug, model_dir
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--device-seqs", type=int, default=32)
+    parser.add_argument("--device-prompt", type=int, default=1024)
+    parser.add_argument("--host-seqs", type=int, default=32)
+    parser.add_argument("--host-prompt", type=int, default=2048)
+    parser.add_argument("--output", type=int, default=384)
+    parser.add_argument("--cpu-kv-cache-gb", type=float, default=10.0)
+    parser.add_argument("--label", default="current", help="what code this measures (before/after a change)")
+    parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    path = model_dir(args.model, args.model_cache)
+    result = {"label": args.label, "model": args.model, "device": device_slug(), "date": time.strftime("%Y-%m-%d"),
+              "torch": torch.__version__, "host_cores": os.cpu_count(), "config": vars(args),
+              "switch_interval_s": __import__("sys").getswitchinterval()}
+    result["idle"] = run_case(path, args, with_host=False)
+    result["busy"] = run_case(path, args, with_host=True)
+    idle, busy = result["idle"]["device_step_ms_idle"], result["busy"]["device_step_ms_busy"]
+    result["slowdown"] = busy / idle if idle and busy else None
+    out = args.out or os.path.join(RESULTS, result["device"], f"lane_interference_{args.label}.json")
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    with open(out, "w") as f:
+        json.dump(result, f, indent=2)
+    print(json.dumps({k: result[k] for k in ("idle", "busy")}, indent=1))
+    print(f"[{args.label}] device step at batch {args.device_seqs}: {idle:.2f} ms host lane idle, {busy:.2f} ms "
+          f"busy = {result['slowdown']:.3f}x; host step {result['busy']['host_step_ms']:.1f} ms")
+
+
+if __name__ == "__main__":
+    main()

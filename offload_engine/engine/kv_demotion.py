@@ -1,0 +1,80 @@
+"""Copies demoted sequences' KV from the device pool into their new host blocks.
+
+Demotion (engine/placement.py says when) moves a decoding device-tier sequence to the host tier when the
+device pool has no block for some sequence's next token: instead of being preempted and recomputed, it goes
+on decoding in the host lane. Its KV crosses PCIe once.
+
+Per group of layers: on the device, the sequences' tokens are gathered from their token-major slots and laid
+out as the host tier's head-major blocks (one padded host block per `cpu_block_size` tokens) in a staging
+slot's device half; one copy takes the group to the slot's pinned half; on the host executor, numba scatters
+the blocks into the sequences' host blocks. The device half is queued on the device lane's stream before the
+step that reuses the freed device blocks, so it reads the KV before anything overwrites it. The host half
+joins the executor's queue, which every later reader of those host blocks (host decode, prefix staging,
+promotion) also goes through, so nothing here waits for it.
+"""
+import numpy as np
+import torch
+
+from cpu_attention.gather import scatter_blocks
+from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging
+from offload_engine.engine.sequence import Sequence
+from offload_engine.engine.step_inputs import slots_for
+
+
+def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_layers, host_layers, executor,
+                 device_block_size: int, staging: MoveStaging) -> list:
+    """moves: (sequence, the device blocks holding its KV); each sequence's `block_table` already names its host
+    blocks and `num_computed_tokens` says how many tokens have KV. Returns the executor futures of the host
+    writes (callers need not wait: see the module docstring)."""
+    _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
+    device = device_layers[0][0].device
+    slots, rows, targets = [], [], []
+    for seq, device_blocks in moves:
+        num_tokens = seq.num_computed_tokens
+        # Token t of this sequence goes to row (its first block's place in the staging) * block size + t.
+        rows.append(len(targets) * host_block_size + np.arange(num_tokens))
+        slots.append(slots_for(device_blocks, device_block_size, 0, num_tokens))
+        targets += seq.block_table[: -(-num_tokens // host_block_size)]
+    slots = torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True)
+    rows = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
+    targets = torch.tensor(targets, dtype=torch.int64)
+    block_shape = (len(targets), num_kv_heads, host_block_size, head_dim)
+    layer_bytes = 2 * host_layers[0][0].element_size() * int(np.prod(block_shape))
+    group = max(1, GROUP_BYTES // max(1, layer_bytes))
+    writes = []
+    for first in range(0, len(device_layers), group):
+        layers = range(first, min(first + group, len(device_layers)))
+        slot, host_buffer, device_buffer = staging.take((len(layers), 2, *block_shape), host_layers[0][0].dtype)
+        _stage_on_device(device_layers, layers, slots, rows, device_buffer)
+        host_buffer.copy_(device_buffer, non_blocking=True)
+        write = executor.submit(_scatter_layers, _record_event(device), host_buffer, host_layers, layers, targets)
+        staging.busy_until(slot, write)  # the slot is free again once the host blocks have been written
+        writes.append(write)
+    return writes
+
+
+def _stage_on_device(device_layers, layers: range, slots, rows, staged: torch.Tensor) -> None:
+    """staged [len(layers), 2, blocks, Hkv, block_size, D] <- the tokens in host-block layout, padding rows zero."""
+    _, _, num_blocks, num_kv_heads, block_size, head_dim = staged.shape
+    cache = device_layers[0][0]
+    token_rows = torch.zeros((num_blocks * block_size, num_kv_heads, head_dim), dtype=cache.dtype, device=cache.device)
+    for i, layer in enumerate(layers):
+        for j, pool in enumerate(device_layers[layer]):
+            token_rows[rows] = pool.view(-1, num_kv_heads, head_dim)[slots]
+            staged[i, j] = token_rows.view(num_blocks, block_size, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def _scatter_layers(arrived, staged: torch.Tensor, host_layers, layers: range, targets: torch.Tensor) -> None:
+    if arrived is not None:
+        arrived.synchronize()  # the device-to-host copy has landed
+    for i, layer in enumerate(layers):
+        for j, cache in enumerate(host_layers[layer]):
+            scatter_blocks(staged[i, j], targets, cache)
+
+
+def _record_event(device: torch.device):
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record()
+    return event

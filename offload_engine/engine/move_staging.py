@@ -1,0 +1,55 @@
+"""Reusable staging for KV that moves between the tiers (kv_promotion.py up, kv_demotion.py down).
+
+A move copies one group of layers at a time through a pinned host buffer and its device twin. A fresh
+pinned tensor per group, in whatever size the moved sequences needed, made torch's pinned-memory cache grow
+by 60-120 MiB per 1,000 requests without levelling off (benchmarks/bench_load.py, H100, 2026-11-22): it
+keeps every size it was asked for. Here a few slots are allocated once, at the largest size asked for so
+far, and reused round-robin: while one group is being copied the next ones are staged in the others. A slot
+is handed out again only once whatever still reads it (a CUDA event for a copy, a Future for a host write)
+says it is done; four slots hold a whole 2k-token Qwen3-0.6B sequence, so one demotion of that size never
+waits for the host executor.
+"""
+import torch
+
+GROUP_BYTES = 64 << 20  # per slot and copy: ~1.3 ms at 50 GB/s
+NUM_SLOTS = 4
+
+
+class MoveStaging:
+    def __init__(self, device: torch.device, num_slots: int = NUM_SLOTS):
+        self.device = device
+        self._host: list[torch.Tensor | None] = [None] * num_slots
+        self._device: list[torch.Tensor | None] = [None] * num_slots
+        self._busy_until: list = [None] * num_slots
+        self._next = 0
+
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """(slot, host view, device view) of `shape`, once the slot's last user is done with it."""
+        slot, self._next = self._next, (self._next + 1) % len(self._host)
+        self._wait(slot)
+        nbytes = dtype.itemsize
+        for size in shape:
+            nbytes *= size
+        if self._host[slot] is None or self._host[slot].numel() < nbytes:
+            pin = self.device.type == "cuda"
+            self._host[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+            self._device[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        views = (buffer[:nbytes].view(dtype).view(shape) for buffer in (self._host[slot], self._device[slot]))
+        return (slot, *views)
+
+    def busy_until(self, slot: int, done) -> None:
+        """The slot is in use until `done` (a torch.cuda.Event or a concurrent.futures.Future) completes."""
+        self._busy_until[slot] = done
+
+    def _wait(self, slot: int) -> None:
+        done, self._busy_until[slot] = self._busy_until[slot], None
+        if isinstance(done, torch.cuda.Event):
+            done.synchronize()
+        elif done is not None:
+            done.exception()  # waits; a failed host write reports itself (ModelRunner.check_host_writes)
+
+    def release(self) -> None:
+        for slot in range(len(self._host)):
+            self._wait(slot)
+        self._host = [None] * len(self._host)
+        self._device = [None] * len(self._device)

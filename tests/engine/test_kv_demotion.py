@@ -1,0 +1,133 @@
+"""Demotion: a device sequence the device pool has no room for moves its KV to the host tier and goes on there."""
+import pytest
+import torch
+
+from cpu_attention import CpuAttentionExecutor
+from offload_engine import LLM, SamplingParams
+from offload_engine.engine import kv_demotion, kv_promotion
+from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.engine.move_staging import MoveStaging
+from offload_engine.layers.attention_backends import select_backend
+from tests.conftest import TEST_DEVICE
+from tests.engine.test_kv_promotion import _tokens_of
+from tests.oracle import hf_greedy, random_prompts
+
+GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group_bytes", [1, 1 << 30])  # a layer per group, and every layer in one group
+def test_demotion_then_promotion_gives_back_the_same_bits(dtype, group_bytes, monkeypatch):
+    monkeypatch.setattr(kv_demotion, "GROUP_BYTES", group_bytes)
+    monkeypatch.setattr(kv_promotion, "GROUP_BYTES", group_bytes)
+    gen = torch.Generator().manual_seed(8)
+    layers, hkv, d, host_bs, dev_bs = 3, 2, 8, 8, 4
+    device = [tuple(torch.randn(20, dev_bs, hkv, d, generator=gen).to(dtype).to(TEST_DEVICE) for _ in "kv")
+              for _ in range(layers)]
+    original = [tuple(t.clone() for t in pair) for pair in device]
+    host = [tuple(torch.full((12, hkv, host_bs, d), float("nan"), dtype=dtype) for _ in "kv") for _ in range(layers)]
+    # Lengths at, just past and well inside block boundaries of both tiers; blocks shuffled in both pools.
+    lengths, dev_tables, host_tables = (8, 13, 1), ([3, 9], [0, 17, 4, 12], [19]), ([5, 2], [11, 0], [7])
+    moves = []
+    for n, dev_table, host_table in zip(lengths, dev_tables, host_tables):
+        seq = Sequence(list(range(n + 1)), SamplingParams(), budget=n + 4)
+        seq.num_computed_tokens, seq.block_table = n, host_table
+        moves.append((seq, dev_table))
+    staging = MoveStaging(torch.device(TEST_DEVICE), num_slots=2)  # three groups: slots are reused
+    with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
+        for write in kv_demotion.copy_to_host(moves, device, host, executor, dev_bs, staging):
+            write.result()
+        for (seq, dev_table), n in zip(moves, lengths):
+            for layer in range(layers):
+                for which in (0, 1):
+                    want = _tokens_of(original[layer][which].cpu(), dev_table, n, head_major=False)
+                    assert torch.equal(_tokens_of(host[layer][which], seq.block_table, n, head_major=True), want)
+        # And back up, into other device blocks, wiped first.
+        for pair in device:
+            for t in pair:
+                t.fill_(float("nan"))
+        back = []
+        for (seq, dev_table), new_table in zip(moves, ([1, 2], [5, 6, 7, 8], [10])):
+            host_table, seq.block_table = seq.block_table, new_table
+            back.append((seq, host_table))
+        store = select_backend("auto", torch.device(TEST_DEVICE), dev_bs).store_kvcache
+        kv_promotion.copy_to_device(back, host, device, executor, store, dev_bs, staging)
+    for (seq, old_table), n in zip(moves, lengths):
+        for layer in range(layers):
+            for which in (0, 1):
+                want = _tokens_of(original[layer][which].cpu(), dev_tables[lengths.index(n)], n, head_major=False)
+                got = _tokens_of(device[layer][which].cpu(), seq.block_table, n, head_major=False)
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def _run(model_dir, prompts, max_tokens, **kwargs):
+    llm = LLM(model_dir, device=TEST_DEVICE, kv_placement="auto", cpu_block_size=16, **kwargs)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    return llm, llm.generate(prompts, params, use_tqdm=False)
+
+
+def _assert_exact(model_dir, prompts, outputs, max_tokens):
+    refs = hf_greedy(model_dir, prompts, max(max_tokens))
+    for output, ref, n in zip(outputs, refs, max_tokens):
+        assert len(output.token_ids) == n  # nothing lost, nothing cut short
+        assert output.token_ids[: len(ref)] == ref[:n]
+
+
+def _assert_all_blocks_free(llm):
+    for tier in (GPU, CPU):
+        pool = llm.engine.blocks.pool(tier)
+        assert pool.num_free == pool.num_blocks
+
+
+def test_sequences_that_outgrow_the_device_pool_are_demoted_not_recomputed(qwen3_dir):
+    # Prompts of 30 take 2 blocks of 16 each: all four fit the 8-block device pool at admission, as under
+    # "gpu", and outgrow it during decode (30 + 20 tokens need 4 blocks each).
+    prompts = random_prompts((30, 31, 29, 30), 256, seed=100)
+    max_tokens = (20, 20, 20, 20)
+    llm, outputs = _run(qwen3_dir, prompts, max_tokens, num_gpu_blocks=8, num_cpu_blocks=40, kv_promotion=False)
+    scheduler = llm.engine.scheduler
+    assert [o.kv_location for o in outputs] == ["gpu"] * 4  # packed as "gpu" packs
+    assert scheduler.num_demotions >= 1 and scheduler.num_preemptions == 0
+    assert any(o.kv_demoted for o in outputs) and not all(o.kv_demoted for o in outputs)
+    _assert_exact(qwen3_dir, prompts, outputs, max_tokens)
+    _assert_all_blocks_free(llm)
+    llm.close()
+
+
+def test_demoted_sequences_move_back_up_when_room_frees(qwen3_dir):
+    prompts = random_prompts((30, 31, 29, 30, 5), 256, seed=101)
+    max_tokens = (4, 30, 30, 30, 40)
+    llm, outputs = _run(qwen3_dir, prompts, max_tokens, num_gpu_blocks=8, num_cpu_blocks=40)
+    assert any(o.kv_demoted and o.kv_promoted for o in outputs), [(o.kv_demoted, o.kv_promoted) for o in outputs]
+    assert llm.engine.scheduler.num_preemptions == 0
+    _assert_exact(qwen3_dir, prompts, outputs, max_tokens)
+    _assert_all_blocks_free(llm)
+    llm.close()
+
+
+def test_both_pools_tight_fall_back_to_recompute_and_lose_nothing(qwen3_dir):
+    prompts = random_prompts((30, 31, 29, 30, 33, 17, 8), 256, seed=102)
+    max_tokens = (20, 25, 20, 30, 12, 26, 18)
+    llm, outputs = _run(qwen3_dir, prompts, max_tokens, num_gpu_blocks=8, num_cpu_blocks=7)
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_demotions >= 1 and scheduler.num_preemptions >= 1
+    _assert_exact(qwen3_dir, prompts, outputs, max_tokens)
+    _assert_all_blocks_free(llm)
+    llm.close()
+
+
+def test_auto_admits_to_the_device_exactly_what_gpu_admits():
+    """The device lane's batch under "auto" is never smaller than under "gpu": admission is the same rule."""
+    from offload_engine.engine.scheduler import Scheduler
+
+    admitted = {}
+    for policy in ("gpu", "auto"):
+        blocks = BlockManager(num_gpu_blocks=10, block_size=4, num_cpu_blocks=32, cpu_block_size=4)
+        scheduler = Scheduler(blocks, policy, max_num_seqs=16, max_num_batched_tokens=1000, max_model_len=64,
+                              eos_token_ids=())
+        for n in (9, 7, 12, 3, 11):  # prompts of 3, 2, 3, 1, 3 blocks; budgets of 4 blocks more each
+            scheduler.add(Sequence(list(range(n)), SamplingParams(max_tokens=16), budget=n + 16))
+        scheduler.schedule_prefill()
+        admitted[policy] = [len(s) for s in scheduler.running if s.location == GPU]
+    assert admitted["auto"] == admitted["gpu"] == [9, 7, 12, 3]

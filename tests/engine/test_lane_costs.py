@@ -1,0 +1,89 @@
+"""The cost check: the host lane takes a sequence only when that is predicted to add tokens per second."""
+import pytest
+
+from offload_engine import SamplingParams
+from offload_engine.engine.lane_stats import LaneStats
+from offload_engine.engine.placement import host_lane_pays
+from offload_engine.engine.sequence import BlockLocation, Sequence
+
+KV_BYTES = 1000  # per token
+
+
+def _host_seq(num_tokens: int) -> Sequence:
+    seq = Sequence(list(range(num_tokens)), SamplingParams(), budget=num_tokens + 8)
+    seq.location = BlockLocation.CPU
+    return seq
+
+
+def _measured(fixed: float, per_byte: float) -> LaneStats:
+    stats = LaneStats(KV_BYTES)
+    for tokens in (1000, 4000, 2000, 8000):
+        stats.host_step(tokens * KV_BYTES, fixed + per_byte * tokens * KV_BYTES)
+    return stats
+
+
+def test_host_step_fit_recovers_fixed_and_per_byte_cost():
+    stats = _measured(fixed=0.01, per_byte=1e-8)
+    assert abs(stats.host_step_seconds(5000 * KV_BYTES) - (0.01 + 1e-8 * 5000 * KV_BYTES)) < 1e-9
+    assert LaneStats(KV_BYTES).host_step_seconds(10) is None  # nothing measured: nothing predicted
+
+
+def test_slowdown_is_busy_over_idle_device_steps():
+    stats = LaneStats(KV_BYTES)
+    assert stats.slowdown == 1.0
+    for _ in range(10):
+        stats.device_step_done(rows=8, seconds=0.010, host_busy=False)
+        stats.device_step_done(rows=8, seconds=0.011, host_busy=True)
+    assert abs(stats.slowdown - 1.1) < 1e-6
+
+
+def test_unmeasured_host_lane_is_tried():
+    assert host_lane_pays(_host_seq(100), [], LaneStats(KV_BYTES))
+
+
+def test_a_running_host_lane_takes_rows_like_its_own_but_not_a_far_longer_one():
+    stats = _measured(fixed=0.02, per_byte=1e-8)
+    running = [_host_seq(1000) for _ in range(4)]
+    assert host_lane_pays(_host_seq(1000), running, stats)
+    # One row of 200k tokens would slow every step of the four others more than its own tokens add.
+    assert not host_lane_pays(_host_seq(200_000), running, stats)
+
+
+def test_starting_the_lane_must_beat_what_it_costs_the_device_lane():
+    stats = _measured(fixed=0.02, per_byte=1e-9)  # a host step: 20 ms + 1 ms per row of 1k tokens
+    for _ in range(40):
+        stats.device_step_done(rows=64, seconds=0.010, host_busy=False)  # ~6,400 tok/s
+        stats.device_step_done(rows=64, seconds=0.0105, host_busy=True)  # 5% slower: ~300 tok/s lost
+    # One host row of 1k tokens gives ~48 tok/s, five ~200: not worth waking the lane for...
+    assert not host_lane_pays(_host_seq(1000), [], stats)
+    assert not host_lane_pays(_host_seq(1000), [], stats, joining=[_host_seq(1000) for _ in range(4)])
+    # ...but forty waking it together give ~670 tok/s.
+    assert host_lane_pays(_host_seq(1000), [], stats, joining=[_host_seq(1000) for _ in range(39)])
+    for _ in range(200):  # the host lane stops costing the device lane anything
+        stats.device_step_done(rows=64, seconds=0.010, host_busy=True)
+    assert host_lane_pays(_host_seq(1000), [], stats)
+
+
+@pytest.mark.real_cost_check
+def test_engine_keeps_overflow_off_a_host_lane_that_would_cost_more_than_it_adds(qwen3_dir):
+    """As measured here the host lane is slow (1 s a step) and halves the device lane's speed: "auto" then
+    behaves as "gpu" does, requests wait for device room and overflow is recomputed, and stays exact."""
+    from offload_engine import LLM
+    from tests.conftest import TEST_DEVICE
+    from tests.oracle import hf_greedy, random_prompts
+
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=8, num_cpu_blocks=40,
+              cpu_block_size=16)
+    stats = llm.engine.stats
+    for tokens in (100, 400):
+        stats.host_step(tokens * stats.kv_bytes_per_token, 1.0 + tokens * 1e-4)
+    for _ in range(64):
+        stats.device_step_done(rows=4, seconds=0.01, host_busy=False)
+        stats.device_step_done(rows=4, seconds=0.02, host_busy=True)
+    prompts = random_prompts((30, 31, 29, 30, 33, 20), 256, seed=103)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+    assert {o.kv_location for o in outputs} == {"gpu"} and not any(o.kv_demoted for o in outputs)
+    assert llm.engine.scheduler.num_preemptions >= 1 and llm.engine.scheduler.num_demotions == 0
+    for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 20)):
+        assert output.token_ids[: len(ref)] == ref
+    llm.close()
