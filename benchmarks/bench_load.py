@@ -146,7 +146,8 @@ def run(profile: LoadProfile, cache: str) -> dict:
         record = run_round(llm, *make_requests(profile, profile.per_round, vocab, seed=i))
         cumulative += record["output_tokens"]
         record.update(cumulative_output_tokens=cumulative, preemptions=scheduler.num_preemptions,
-                      promotions=scheduler.num_promotions, memory=memory_snapshot(llm))
+                      promotions=scheduler.num_promotions, demotions=scheduler.num_demotions,
+                      memory=memory_snapshot(llm))
         result["rounds"].append(record)
         print(_round_line(f"round {i + 1}", record), flush=True)
     pools = [llm.engine.blocks.pool(tier) for tier in BlockLocation]
@@ -167,7 +168,8 @@ def summarize(result: dict) -> dict:
     return {"requests": sum(r["requests"] for r in rounds), "requests_lost": sum(r["lost"] for r in rounds),
             "seconds": seconds, "output_tokens": output_tokens, "output_tok_per_s": output_tokens / seconds,
             "total_tok_per_s": (output_tokens + sum(r["prompt_tokens"] for r in rounds)) / seconds,
-            "preemptions": rounds[-1]["preemptions"], "promotions": rounds[-1]["promotions"], "memory": memory}
+            "preemptions": rounds[-1]["preemptions"], "promotions": rounds[-1]["promotions"],
+            "demotions": rounds[-1]["demotions"], "memory": memory}
 
 
 def _gib(value) -> str:

@@ -40,6 +40,7 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **
         "decode_steps": len(decode_ms), "decode_step_ms_median": decode_ms[len(decode_ms) // 2],
         "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu")},
         "preemptions": llm.engine.scheduler.num_preemptions, "promotions": llm.engine.scheduler.num_promotions,
+        "demotions": llm.engine.scheduler.num_demotions,
         **llm.kv_cache_summary,
         "device_pool_gib": runner.num_gpu_blocks * llm.config.block_size
         * llm.model_config.kv_bytes_per_token(llm.dtype) / 2**30,

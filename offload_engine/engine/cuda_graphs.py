@@ -12,7 +12,11 @@ When no row of the step is on the host tier, attention needs no host work, so an
 `max_blocks_per_seq` captures whole steps, attention included (its maps live in static buffers sized for
 max_model_len). The engine keeps one instance per decode lane (engine/llm_engine.py): whole-step graphs for
 the device tier, piecewise graphs for the host tier, each with its own static inputs and memory pool, so
-the two lanes can be in flight at once. Padding rows
+the two lanes can be in flight at once. Each instance also captures on a CUDA stream of its own: cuBLAS
+workspaces are keyed by the stream a matmul ran on, and torch captures every graph on one shared stream by
+default, so both lanes' graphs would have baked in the same workspace and, replayed at once on the two
+lanes' streams, written over each other's partial products (seen on the H100: wrong host-lane tokens).
+Padding rows
 (a batch of 37 runs in the 48 bucket) compute on stale inputs and are never read: every op outside attention
 is row-wise in decode, and padded rows get slot -1 and context 0, so they write and read no KV.
 """
@@ -28,7 +32,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, max_num_seqs: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, max_blocks_per_seq: int | None):
+                 device: torch.device, max_blocks_per_seq: int | None, capture_stream: torch.cuda.Stream):
         self.model = model
         self.num_layers = len(model.model.layers)
         self.buckets = batch_buckets(max_num_seqs)
@@ -37,6 +41,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.attn_out = torch.zeros(largest, num_heads, head_dim, dtype=dtype, device=device)
         self.pool = None
+        self.capture_stream = capture_stream  # one per lane: a cuBLAS workspace of the lane's own (see above)
         self.graphs: dict[int, list] = {}
         self.outputs: dict[int, list] = {}
         self.whole: dict[int, tuple] = {}
@@ -69,7 +74,7 @@ class DecodeGraphs:
         for segment in self._segments(size):
             segment(prev)  # warm up outside the graph: lazy inits and autotuning must not be captured
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self.pool):
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                 prev = segment(prev)
             self.pool = graph.pool()
             graphs.append(graph)
@@ -88,7 +93,7 @@ class DecodeGraphs:
         step = lambda: self.model.compute_logits(self.model(self.token_ids[:size], self.positions[:size], meta))
         step()  # warm up (context 0 everywhere: no KV is read or written)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             logits = step()
         self.pool = graph.pool()
         torch.cuda.synchronize()

@@ -6,6 +6,7 @@ import torch
 
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from offload_engine.config import EngineConfig, ModelConfig
+from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
@@ -56,7 +57,7 @@ class ModelRunner:
         self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # what start-up queued on the default stream is done
-            self.streams = {"device": torch.cuda.Stream(self.device, priority=-1), "host": torch.cuda.Stream(self.device)}
+            self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
         self.startup_seconds["total"] = time.perf_counter() - began
@@ -123,12 +124,12 @@ class ModelRunner:
         # Captured after both pools exist, from what gpu_memory_utilization left free. Whole-step graphs need a
         # graph-safe attention backend: the torch path gathers every table column, which would not fit.
         cfg = self.model_cfg
-        make = lambda blocks: DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim,
-                                           self.dtype, self.device, blocks)
+        make = lambda lane, blocks: DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim,
+                                                 self.dtype, self.device, blocks, engine_stream(self.device, f"capture-{lane}"))
         whole = self.backend.name != "torch"
-        graphs = {"device": make(-(-self.max_model_len // self.cfg.block_size) if whole else None)}
+        graphs = {"device": make("device", -(-self.max_model_len // self.cfg.block_size) if whole else None)}
         if self.host_pool is not None:
-            graphs["host"] = make(None)
+            graphs["host"] = make("host", None)
         return graphs
 
     def close(self) -> None:

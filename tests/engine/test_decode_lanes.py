@@ -39,3 +39,17 @@ def test_device_lane_steps_while_the_host_lane_is_in_flight(qwen3_dir, monkeypat
     assert all(name.startswith("host-lane") for lane, _, _, _, name in spans if lane == "host")
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 8)):
         assert output.token_ids[: len(ref)] == ref
+
+
+def test_both_lanes_busy_for_many_steps_stay_exact(qwen3_dir):
+    """Both lanes decode side by side for every step (on CUDA: on their own streams, replaying their own
+    graphs at once). A buffer the two shared, such as a cuBLAS workspace baked into both lanes' graphs,
+    would corrupt one lane's tokens here."""
+    prompts = random_prompts((20, 21, 22, 23, 24, 25, 26, 27, 28, 29), 256, seed=51)
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", kv_promotion=False, num_gpu_blocks=10,
+              num_cpu_blocks=16, cpu_block_size=16)  # five prompts on each tier
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
+    assert [o.kv_location for o in outputs].count("cpu") >= 4
+    for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 24)):
+        assert output.token_ids[: len(ref)] == ref
+    llm.close()
