@@ -8,6 +8,7 @@ from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.move_staging import MoveStaging
+from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.layers.attention_backends import select_backend
@@ -30,6 +31,7 @@ class ModelRunner:
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
+        self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
         self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
         try:
             self._start(model_dir)
@@ -42,6 +44,8 @@ class ModelRunner:
         # The host tier first: its numba compile and its page-locking run on threads of their own while the
         # weights load and the device pool is profiled (DESIGN.md, "Resources and their lifecycle").
         self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
+        if self.host_pool is not None and self.device.type == "cuda":
+            self.ring = PinnedRing()
         self.model = build_model(self.model_cfg, model_dir, self.dtype, self.device, max_position=self.max_model_len)
         self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size)
         self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size)
@@ -113,7 +117,7 @@ class ModelRunner:
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = device_pool[i]
             layer.k_cache_cpu, layer.v_cache_cpu = host_pool[i] if host_pool else (None, None)
-            layer.backend, layer.executor = self.backend, getattr(self, "executor", None)
+            layer.backend, layer.executor, layer.ring = self.backend, self.executor, self.ring
 
     def _capture_decode_graphs(self) -> dict:
         """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (piecewise)."""
@@ -142,6 +146,9 @@ class ModelRunner:
             graphs.release()
         self.decode_graphs = {}
         self.move_staging.release()
+        if self.ring is not None:
+            self.ring.drain()
+            self.ring = None
         if self.model is not None:
             self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
         if self.host_pool is not None:

@@ -23,6 +23,7 @@ class Attention(nn.Module):
         self.k_cache_cpu = self.v_cache_cpu = None  # host tier, head-major [blocks, Hkv, cpu_block_size, D]
         self.backend = None  # the device tier's kernels (layers.attention_backends)
         self.executor = None  # cpu_attention.CpuAttentionExecutor: the host tier's one worker thread
+        self.ring = None  # engine.pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic to the host
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
@@ -81,7 +82,7 @@ class Attention(nn.Module):
     def _submit_host_write(self, k, v, staging: PrefixStaging):
         if staging.host_token_indices is not None:
             k, v = k[staging.host_token_indices], v[staging.host_token_indices]
-        k_host, v_host = _to_host(k), _to_host(v)
+        (k_host, v_host), region = self._pinned_copies(k, v)
         arrived = _record_event(k)
         from cpu_attention import store_kvcache
 
@@ -90,7 +91,25 @@ class Attention(nn.Module):
                 arrived.synchronize()
             store_kvcache(k_host, v_host, self.k_cache_cpu, self.v_cache_cpu, staging.host_token_slots)
 
-        return self.executor.submit(run)
+        write = self.executor.submit(run)
+        if self.ring is not None:
+            self.ring.busy_until(region, write)
+        return write
+
+    def _pinned_copies(self, *tensors):
+        """Host copies of same-shaped device tensors, in one region of the pinned ring (on CUDA)."""
+        if self.ring is None:
+            return [_to_host(t) for t in tensors], None
+        staged, region = self.ring.take((len(tensors), *tensors[0].shape), tensors[0].dtype)
+        for t, host in zip(tensors, staged):
+            host.copy_(t, non_blocking=True)
+        return list(staged), region
+
+    def _pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype):
+        """A host buffer for a copy to the device: a region of the pinned ring on CUDA, plain memory otherwise."""
+        if self.ring is None:
+            return torch.empty(shape, dtype=dtype), None
+        return self.ring.take(shape, dtype)
 
     def _stage_prefix(self, staging: PrefixStaging, device: torch.device):
         """Copies the CPU-tier prefix blocks into a token-major device cache, transposing on the device."""
@@ -103,12 +122,13 @@ class Attention(nn.Module):
             if num_prefix:
                 from cpu_attention.gather import gather_blocks
 
-                gathered = torch.empty((num_prefix, num_kv_heads, block_size, head_dim), dtype=host_pool.dtype,
-                                       pin_memory=device.type == "cuda")
+                gathered, region = self._pinned_empty((num_prefix, num_kv_heads, block_size, head_dim), host_pool.dtype)
                 # On the executor: the gather must follow this step's queued host writes, and numba's pool
                 # (not a torch CPU op) keeps a second OpenMP team off the host's cores (cpu_attention/gather.py).
                 self.executor.submit(gather_blocks, host_pool, staging.source_blocks, gathered).result()
                 cache[:num_prefix].copy_(gathered.to(device, non_blocking=True).transpose(1, 2))
+                if self.ring is not None:
+                    self.ring.busy_until(region, _record_event(cache))
             staged.append(cache)
         return staged
 
