@@ -16,7 +16,7 @@ import numpy as np
 import torch
 
 from cpu_attention.gather import scatter_blocks
-from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging
+from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for
 
@@ -26,6 +26,13 @@ def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_layers, host_la
     """moves: (sequence, the device blocks holding its KV); each sequence's `block_table` already names its host
     blocks and `num_computed_tokens` says how many tokens have KV. Returns the executor futures of the host
     writes (callers need not wait: see the module docstring)."""
+    block = host_layers[0][0][0]
+    batches = split_moves(moves, block.shape[1], 2 * block.numel() * block.element_size())
+    return [write for batch in batches
+            for write in _copy_batch(batch, device_layers, host_layers, executor, device_block_size, staging)]
+
+
+def _copy_batch(moves, device_layers, host_layers, executor, device_block_size: int, staging: MoveStaging) -> list:
     _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
     device = device_layers[0][0].device
     slots, rows, targets = [], [], []

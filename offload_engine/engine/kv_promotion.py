@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from cpu_attention.gather import gather_blocks
-from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging
+from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for
 
@@ -24,6 +24,13 @@ def copy_to_device(moves: list[tuple[Sequence, list[int]]], host_layers, device_
                    device_block_size: int, staging: MoveStaging) -> None:
     """moves: (sequence, the host blocks holding its KV); each sequence's `block_table` already names its device
     blocks and `num_computed_tokens` says how many tokens have KV. Returns once the host blocks are read."""
+    block = host_layers[0][0][0]
+    for batch in split_moves(moves, block.shape[1], 2 * block.numel() * block.element_size()):
+        _copy_batch(batch, host_layers, device_layers, executor, store_kvcache, device_block_size, staging)
+
+
+def _copy_batch(moves, host_layers, device_layers, executor, store_kvcache, device_block_size: int,
+                staging: MoveStaging) -> None:
     _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
     device = device_layers[0][0].device
     sources, rows, slots = [], [], []

@@ -3,8 +3,9 @@
 A move copies one group of layers at a time through a pinned host buffer and its device twin. A fresh
 pinned tensor per group, in whatever size the moved sequences needed, made torch's pinned-memory cache grow
 by 60-120 MiB per 1,000 requests without levelling off (benchmarks/bench_load.py, H100, 2026-11-22): it
-keeps every size it was asked for. Here a few slots are allocated once, at the largest size asked for so
-far, and reused round-robin: while one group is being copied the next ones are staged in the others. A slot
+keeps every size it was asked for. Here a few slots of GROUP_BYTES are allocated once and reused
+round-robin (moves are split so that one group fits a slot; only a single sequence whose one layer of KV is
+larger than a slot makes a slot grow, to that size): while one group is being copied the next ones are staged in the others. A slot
 is handed out again only once whatever still reads it (a CUDA event for a copy, a Future for a host write)
 says it is done; four slots hold a whole 2k-token Qwen3-0.6B sequence, so one demotion of that size never
 waits for the host executor.
@@ -31,9 +32,9 @@ class MoveStaging:
         for size in shape:
             nbytes *= size
         if self._host[slot] is None or self._host[slot].numel() < nbytes:
-            pin = self.device.type == "cuda"
-            self._host[slot] = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
-            self._device[slot] = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            size, pin = max(nbytes, GROUP_BYTES), self.device.type == "cuda"
+            self._host[slot] = torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+            self._device[slot] = torch.empty(size, dtype=torch.uint8, device=self.device)
         views = (buffer[:nbytes].view(dtype).view(shape) for buffer in (self._host[slot], self._device[slot]))
         return (slot, *views)
 
@@ -53,3 +54,17 @@ class MoveStaging:
             self._wait(slot)
         self._host = [None] * len(self._host)
         self._device = [None] * len(self._device)
+
+
+def split_moves(moves: list, host_block_size: int, layer_bytes_per_block: int) -> list[list]:
+    """Consecutive batches of (sequence, blocks) moves whose KV for one layer fits GROUP_BYTES (a sequence
+    larger than that makes a batch of its own)."""
+    batches, batch, batch_bytes = [], [], 0
+    for move in moves:
+        nbytes = layer_bytes_per_block * -(-move[0].num_computed_tokens // host_block_size)
+        if batch and batch_bytes + nbytes > GROUP_BYTES:
+            batches.append(batch)
+            batch, batch_bytes = [], 0
+        batch.append(move)
+        batch_bytes += nbytes
+    return batches + [batch] if batch else batches

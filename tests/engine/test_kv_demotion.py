@@ -134,3 +134,16 @@ def test_auto_admits_to_the_device_exactly_what_gpu_admits():
         scheduler.schedule_prefill()
         admitted[policy] = [len(s) for s in scheduler.running if s.location == GPU]
     assert admitted["auto"] == admitted["gpu"] == [9, 7, 12, 3]
+
+
+def test_moves_split_so_one_layer_of_a_batch_fits_a_staging_slot(monkeypatch):
+    from offload_engine.engine import move_staging
+
+    monkeypatch.setattr(move_staging, "GROUP_BYTES", 100)
+    seqs = []
+    for n in (16, 20, 64, 1, 200, 5):  # host blocks of 16 tokens, 10 bytes a block and layer
+        seq = Sequence(list(range(n + 1)), SamplingParams(), budget=n + 2)
+        seq.num_computed_tokens = n
+        seqs.append((seq, []))
+    batches = move_staging.split_moves(seqs, host_block_size=16, layer_bytes_per_block=10)
+    assert [[s.num_computed_tokens for s, _ in b] for b in batches] == [[16, 20, 64, 1], [200], [5]]
