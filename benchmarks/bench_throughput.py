@@ -4,9 +4,10 @@
     python benchmarks/bench_throughput.py --profile small     # anywhere, a few minutes (make bench)
     python benchmarks/bench_throughput.py single --model qwen3-0.6b --num-seqs 64 ...   # one engine run
 
-Every run writes JSON (config, device, host cores, measured ceilings, per-system throughput, ratios) and a
-PNG of throughput against the device KV budget to benchmarks/results/<device>/. On the GPU host the suite
-runs in parts, one device call each (run_on_device.sh); `python -m benchmarks.report DIR` merges them.
+Every run writes JSON (config, device, host cores, measured ceilings, per-system throughput, ratios to gpu and
+to the ideal, promotions/demotions/preemptions per run) and a PNG of throughput and ratios against the device KV
+budget to benchmarks/results/<device>/. On the GPU host the suite runs in parts, one device call each
+(run_on_device.sh); `python -m benchmarks.report DIR` merges them.
 """
 import argparse
 import json
@@ -52,39 +53,59 @@ def workload_a(profile: Profile, cache: str) -> dict:
     return {"model": profile.a_model, "num_seqs": profile.a_num_seqs, "range": profile.a_range, **result}
 
 
-def workload_b(profile: Profile, spec: BeyondVram, cache: str, peers: bool = True) -> dict:
+def workload_b(profile: Profile, spec: BeyondVram, cache: str, read_gbps: float, peers: bool = True) -> dict:
     path = model_dir(spec.model, cache)
     vocab = 10000 if profile.name == "full" else 400
     prompts = random_prompts([spec.prompt_len] * spec.num_seqs, vocab, seed=1)
     block_size, seq_len = 16, spec.prompt_len + spec.output_len
     total_blocks = spec.num_seqs * -(-seq_len // block_size)
-    kv_gib = spec.num_seqs * seq_len * _kv_bytes_per_token(path) / 2**30
+    kv_bytes_per_token = _kv_bytes_per_token(path)
+    kv_gib = spec.num_seqs * seq_len * kv_bytes_per_token / 2**30
     common = {**profile.llm_kwargs, "max_model_len": seq_len, "max_num_seqs": spec.num_seqs, "block_size": block_size}
     if "num_cpu_blocks" not in common:
         common["cpu_kv_cache_gb"] = _host_pool_gb(kv_gib)  # the whole batch fits the host tier
     # "cpu" does not depend on the device budget: it runs once. "gpu" and "auto" run at every budget.
-    plan = [(placement, fraction) for fraction in spec.budget_fractions for placement in ("gpu", "auto")]
-    plan.append(("cpu", spec.budget_fractions[-1]))
+    budgets = spec.budgets(total_blocks)
+    plan = [(placement, budget) for budget in budgets for placement in ("gpu", "auto")]
+    plan += [("cpu", budgets[-1])] if spec.cpu else []
     runs = []
-    for placement, fraction in plan:
-        budget = max(1, int(total_blocks * fraction))
-        print(f"[b] {spec.model}: {placement} at {budget} device blocks ({fraction:.3f} of the batch's KV)")
+    for placement, budget in plan:
+        print(f"[{spec.name}] {spec.model}: {placement} at {budget} device blocks "
+              f"({budget / total_blocks:.3f} of the batch's KV)")
         kwargs = common if placement != "gpu" else {k: v for k, v in common.items() if "cpu" not in k}
         try:
             result = measure(path, prompts, [spec.output_len] * spec.num_seqs, kv_placement=placement,
                              num_gpu_blocks=budget, **kwargs)
         except (ValueError, RuntimeError, torch.OutOfMemoryError) as error:
             result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
-        runs.append({"placement": placement, "budget_blocks": budget, "budget_fraction": fraction, **result})
-        print(f"    {result.get('output_tok_per_s', 0):.0f} output tok/s {result.get('error', '')}")
+        runs.append({"placement": placement, "budget_blocks": budget, "budget_fraction": budget / total_blocks,
+                     **result})
+        print(f"    {result.get('output_tok_per_s', 0):.0f} output tok/s, {result.get('promotions', 0)} promoted, "
+              f"{result.get('demotions', 0)} demoted, {result.get('preemptions', 0)} preempted "
+              f"{result.get('error', '')}")
     found = {}
-    for cache_kind in (None, "offloaded") if peers else ():
+    for cache_kind in (None, "offloaded") if peers and spec.peers else ():
         label = f"hf_{cache_kind or 'dynamic'}"
         print(f"[d] {spec.model}: transformers generate, {label}")
         found[label] = hf_generate(path, prompts, spec.output_len, cache_kind, spec.peer_batch, profile.peer_seconds)
         print(f"    {found[label].get('output_tok_per_s', 0):.0f} output tok/s {found[label].get('error', '')}")
-    return {"spec": spec.__dict__, "batch_kv_gib": kv_gib, "runs": runs, "peers": found,
-            "ratios": b_ratios(runs, found)}
+    ideal = {str(r["budget_blocks"]): ideal_tok_per_s(r["output_tok_per_s"], read_gbps, spec.prompt_len,
+                                                      spec.output_len, kv_bytes_per_token)
+             for r in runs if r["placement"] == "gpu" and r.get("output_tok_per_s")}
+    return {"name": spec.name, "spec": spec.__dict__, "batch_kv_gib": kv_gib, "runs": runs, "peers": found,
+            "host_read_gbps": read_gbps, "kv_bytes_per_token": kv_bytes_per_token,
+            "host_tier_tok_per_s": ideal_tok_per_s(0.0, read_gbps, spec.prompt_len, spec.output_len,
+                                                   kv_bytes_per_token),  # the host term alone
+            "ideal_tok_per_s": ideal, "ratios": b_ratios(runs, found, ideal)}
+
+
+def ideal_tok_per_s(gpu_tok_per_s: float, host_read_gbps: float, prompt_len: int, output_len: int,
+                    kv_bytes_per_token: int) -> float:
+    """The ideal `auto` at one device budget: `gpu`'s measured output tok/s at that budget plus the host tier's
+    capacity, host read GB/s x 1e9 / (KV bytes per token-step of a host row), where a host row's KV bytes per
+    token-step = its mean context (prompt_len + output_len / 2) x kv_bytes_per_token. A host row's decode step
+    reads its whole KV once to make one token, so that capacity does not depend on how many rows share it."""
+    return gpu_tok_per_s + host_read_gbps * 1e9 / ((prompt_len + output_len / 2) * kv_bytes_per_token)
 
 
 def _host_pool_gb(kv_gib: float) -> float:
@@ -99,7 +120,9 @@ def _kv_bytes_per_token(path: str) -> int:
     return config.kv_bytes_per_token(config.dtype)
 
 
-def b_ratios(runs: list[dict], peers: dict) -> dict:
+def b_ratios(runs: list[dict], peers: dict, ideal: dict[str, float]) -> dict:
+    """auto over gpu (same budget), cpu, transformers' offloaded cache and the ideal (same budget; keyed by
+    str(budget_blocks)), each as "auto/<other>@<budget_blocks>"."""
     rate = {(r["placement"], r["budget_blocks"]): r.get("output_tok_per_s") for r in runs}
     cpu = next((r.get("output_tok_per_s") for r in runs if r["placement"] == "cpu"), None)
     offloaded = peers.get("hf_offloaded", {}).get("output_tok_per_s")
@@ -107,7 +130,8 @@ def b_ratios(runs: list[dict], peers: dict) -> dict:
     for (placement, budget), auto in rate.items():
         if placement != "auto" or not auto:
             continue
-        for name, other in (("gpu", rate.get(("gpu", budget))), ("cpu", cpu), ("hf_offloaded", offloaded)):
+        for name, other in (("gpu", rate.get(("gpu", budget))), ("cpu", cpu), ("hf_offloaded", offloaded),
+                            ("ideal", ideal.get(str(budget)))):
             if other:
                 ratios[f"auto/{name}@{budget}"] = auto / other
     return ratios
@@ -132,14 +156,18 @@ def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
 
 
 def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None, b_models: str | None = None,
-              peers: bool = True) -> dict:
+              peers: bool = True, b_names: str | None = None) -> dict:
     """Runs the chosen workloads. All of them write offload_<profile>.json and its PNG; a part (some workloads,
-    or some b models) writes offload_<profile>_<part>.json, and `report.py` merges the parts."""
+    or some b specs: by model, by name) writes offload_<profile>_<part>.json, and `report.py` merges the parts."""
     from benchmarks.bench_cpu_attention import read_ceiling_gbps
     from benchmarks.report import plot
 
     profile = PROFILES[profile_name]
-    specs = [s for s in profile.b if b_models is None or s.model in b_models.split(",")]
+    specs = [s for s in profile.b if (b_models is None or s.model in b_models.split(","))
+             and (b_names is None or s.name in b_names.split(","))]
+    if "b" in workloads and not specs:
+        raise ValueError(f"no b workload of profile {profile_name!r} has a model in {b_models!r} and a name in "
+                         f"{b_names!r}: pick from {[(s.name, s.model) for s in profile.b]}")
     read_gbps = read_ceiling_gbps(profile.ceiling_gb)
     result = {"profile": profile_name, "device": device_slug(), "host_cores": os.cpu_count(),
               "platform": platform.platform(), "torch": torch.__version__, "host_read_gbps": read_gbps,
@@ -149,18 +177,19 @@ def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None
         result["a"] = workload_a(profile, cache)
         print(f"[a] output {result['a']['output_tok_per_s']:.0f} tok/s")
     if "b" in workloads:
-        result["b"] = [workload_b(profile, spec, cache, peers) for spec in specs]
+        result["b"] = [workload_b(profile, spec, cache, read_gbps, peers) for spec in specs]
         for b in result["b"]:
-            print(f"[b] {b['spec']['model']} ratios: " + ", ".join(f"{k} {v:.2f}" for k, v in b["ratios"].items()))
+            print(f"[{b['name']}] {b['spec']['model']} ratios: "
+                  + ", ".join(f"{k} {v:.2f}" for k, v in b["ratios"].items()))
+            print(f"[{b['name']}] {b['spec']['model']} ideal tok/s (gpu + {b['host_tier_tok_per_s']:.0f} host tier): "
+                  + ", ".join(f"@{k} {v:.0f}" for k, v in b["ideal_tok_per_s"].items()))
     if "c" in workloads:
         result["c"] = workload_c(profile, cache, read_gbps)
         print(f"[c] decode {result['c']['decode_tok_per_s']:.2f} tok/s = {result['c']['fraction_of_bound']:.2f} "
               f"of the host-read bound ({result['c']['bound_tok_per_s']:.2f} tok/s)")
     out_dir = out_dir or os.path.join(RESULTS, result["device"])
     os.makedirs(out_dir, exist_ok=True)
-    whole = set(workloads) >= set("abc") and len(specs) == len(profile.b)
-    part = "" if whole else "_" + "-".join([w for w in "abc" if w in workloads] + [s.model for s in specs if "b" in workloads])
-    name = os.path.join(out_dir, f"offload_{profile_name}{part}")
+    name = os.path.join(out_dir, f"offload_{profile_name}{part_name(profile, workloads, specs)}")
     with open(name + ".json", "w") as f:
         json.dump(result, f, indent=2, default=str)
     if result.get("b"):
@@ -169,12 +198,22 @@ def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None
     return result
 
 
+def part_name(profile: Profile, workloads: str, specs: list[BeyondVram]) -> str:
+    """The file-name suffix of a part: none for the whole suite, else "_" and its workloads, each b spec as
+    <name>-<model> (offload_full_a-c, offload_full_b-qwen3-8b, offload_full_dh-qwen3-8b)."""
+    if set(workloads) >= set("abc") and len(specs) == len(profile.b):
+        return ""
+    ids = [f"{s.name}-{s.model}" for s in specs] if "b" in workloads else []
+    return "_" + "-".join(["a"] * ("a" in workloads) + ids + ["c"] * ("c" in workloads))
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="suite", choices=("suite", "single"))
     parser.add_argument("--profile", default="small", choices=sorted(PROFILES))
     parser.add_argument("--workloads", default="abc", help="any of a, b (with the peers, d) and c")
     parser.add_argument("--b-models", default=None, help="only these b models (comma-separated config names)")
+    parser.add_argument("--b-names", default=None, help="only these b variants (comma-separated: b, dh)")
     parser.add_argument("--no-peers", action="store_true", help="skip transformers' generate in b")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out-dir", default=None)
@@ -191,7 +230,8 @@ def main(argv: list[str] | None = None) -> None:
     single.add_argument("--out", default=None, help="JSON path of a single run")
     args = parser.parse_args(argv)
     if args.mode == "suite":
-        run_suite(args.profile, args.workloads, args.model_cache, args.out_dir, args.b_models, not args.no_peers)
+        run_suite(args.profile, args.workloads, args.model_cache, args.out_dir, args.b_models, not args.no_peers,
+                  args.b_names)
         return
     path = model_dir(args.model, args.model_cache)
     result = measure(path, random_prompts([args.prompt_len] * args.num_seqs, 10000), [args.output_len] * args.num_seqs,

@@ -2,9 +2,9 @@
 
     python -m benchmarks.report benchmarks/results/nvidia-h200 [--profile full]
 
-On the GPU host each part of the suite (workload a + c, then b per model) runs in its own device call and
-writes offload_<profile>_<part>.json; this writes offload_<profile>.json, offload_<profile>.png and
-offload_<profile>.md (the headline table) beside them.
+On the GPU host each part of the suite (workloads a + c, then b and its decode-heavy variant dh, per model) runs
+in its own device call and writes offload_<profile>_<part>.json; this writes offload_<profile>.json,
+offload_<profile>.png and offload_<profile>.md (the headline table) beside them.
 """
 import argparse
 import glob
@@ -32,60 +32,99 @@ def merge(out_dir: str, profile: str) -> dict:
 
 
 def plot(result: dict, path: str) -> None:
-    """Output tok/s against the device KV budget: one line per placement, the budget-free ones flat."""
+    """Per workload, a column of two panels against the device KV budget: output tok/s (one line per placement,
+    the budget-free ones flat), and below it auto/gpu and auto/ideal."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     specs = result.get("b", [])
-    fig, axes = plt.subplots(1, max(1, len(specs)), figsize=(6 * max(1, len(specs)), 4.5), squeeze=False)
-    for ax, b in zip(axes[0], specs):
-        for placement in ("gpu", "auto"):
-            points = sorted((r["device_pool_gib"], r["output_tok_per_s"]) for r in b["runs"]
-                            if r["placement"] == placement and "output_tok_per_s" in r)
-            if points:
-                ax.plot(*zip(*points), marker="o", label=f"offload-engine {placement}")
-        flat = [("offload-engine cpu (no device KV)", "tab:green", "-.",  # name, color, line style, rate
-                 next((r.get("output_tok_per_s") for r in b["runs"] if r["placement"] == "cpu"), None))]
-        for label, peer in b["peers"].items():
-            dynamic = "dynamic" in label  # transformers' dynamic cache has no budget: it uses the whole GPU
-            flat.append((f"transformers, {label[3:]} cache" + (" (whole GPU)" if dynamic else ""),
-                         "gray" if dynamic else "black", "--", peer.get("output_tok_per_s")))
-        for label, color, style, rate in flat:
-            if rate:
-                ax.axhline(rate, linestyle=style, color=color, label=label)
-        spec = b["spec"]
-        ax.set(title=f"{spec['model']}: {spec['num_seqs']} x ({spec['prompt_len']} + {spec['output_len']}), "
-                     f"KV {b.get('batch_kv_gib', 0):.1f} GiB",
-               xlabel="device KV budget (GiB)", ylabel="output tok/s", xscale="log", yscale="log")
-        ax.legend(fontsize=7)
+    columns = max(1, len(specs))
+    fig, axes = plt.subplots(2, columns, figsize=(6 * columns, 8), squeeze=False, sharex="col",
+                             gridspec_kw={"height_ratios": (3, 2)})
+    for rates, ratios, b in zip(axes[0], axes[1], specs):
+        _plot_rates(rates, b)
+        _plot_ratios(ratios, b)
     fig.suptitle(f"{result['device']} ({result['host_cores']} host cores)")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     plt.close(fig)
 
 
+def _plot_rates(ax, b: dict) -> None:
+    for placement in ("gpu", "auto"):
+        points = sorted((r["device_pool_gib"], r["output_tok_per_s"]) for r in b["runs"]
+                        if r["placement"] == placement and "output_tok_per_s" in r)
+        if points:
+            ax.plot(*zip(*points), marker="o", label=f"offload-engine {placement}")
+    ideal = sorted((_budget_gib(b, int(budget)), rate) for budget, rate in b.get("ideal_tok_per_s", {}).items())
+    if ideal:
+        ax.plot(*zip(*ideal), marker="x", linestyle=":", color="tab:purple", label="ideal: gpu + host tier capacity")
+    flat = [("offload-engine cpu (no device KV)", "tab:green", "-.",  # name, color, line style, rate
+             next((r.get("output_tok_per_s") for r in b["runs"] if r["placement"] == "cpu"), None))]
+    for label, peer in b["peers"].items():
+        dynamic = "dynamic" in label  # transformers' dynamic cache has no budget: it uses the whole GPU
+        flat.append((f"transformers, {label[3:]} cache" + (" (whole GPU)" if dynamic else ""),
+                     "gray" if dynamic else "black", "--", peer.get("output_tok_per_s")))
+    for label, color, style, rate in flat:
+        if rate:
+            ax.axhline(rate, linestyle=style, color=color, label=label)
+    ax.set(title=f"{_title(b)}, KV {b.get('batch_kv_gib', 0):.3g} GiB", ylabel="output tok/s", xscale="log",
+           yscale="log")
+    ax.legend(fontsize=7)
+
+
+def _plot_ratios(ax, b: dict) -> None:
+    for other, color in (("gpu", "tab:orange"), ("ideal", "tab:purple")):
+        points = sorted((_budget_gib(b, int(key.rsplit("@", 1)[1])), ratio) for key, ratio in b["ratios"].items()
+                        if key.startswith(f"auto/{other}@"))
+        if points:
+            ax.plot(*zip(*points), marker="o", color=color, label=f"auto / {other}")
+            for x, y in points:
+                ax.annotate(f"{y:.2f}", (x, y), textcoords="offset points", xytext=(0, 6), ha="center", fontsize=7)
+    ax.axhline(1.0, color="gray", linewidth=0.8)
+    ax.set(xlabel="device KV budget (GiB)", ylabel="auto's ratio", xscale="log")
+    ax.set_ylim(bottom=0)
+    ax.legend(fontsize=7)
+
+
+def _budget_gib(b: dict, budget: int) -> float:
+    """The device pool, in GiB, of the runs at a budget in blocks."""
+    return next(r["device_pool_gib"] for r in b["runs"] if r["budget_blocks"] == budget and "device_pool_gib" in r)
+
+
+def _title(b: dict) -> str:
+    spec = b["spec"]
+    return (f"{spec.get('name', 'b')}. {spec['model']}, {spec['num_seqs']} x ({spec['prompt_len']} + "
+            f"{spec['output_len']})")
+
+
 def headline(result: dict) -> str:
     """A markdown table of every measured rate and the ratios the product claims."""
     dates = sorted({p["date"] for p in result.get("parts", [])}) or [result.get("date", "?")]
     lines = [(f"Measured {' to '.join(dict.fromkeys((dates[0], dates[-1])))} on {result['device']} ({result['host_cores']} host cores), "
-              f"torch {result['torch']}; output tok/s."), "",
-             "| workload | budget (GiB of device KV) | gpu | auto | cpu | auto/gpu | auto/HF offloaded |",
-             "|---|---|---|---|---|---|---|"]
+              f"torch {result['torch']}; output tok/s. b is prompt-heavy, dh decode-heavy; ideal = gpu + the host "
+              "tier's capacity (host read GB/s / KV bytes per token-step of a host row)."), "",
+             "| workload | budget: GiB of device KV (share of the batch's) | gpu | auto | cpu | ideal | auto/gpu | "
+             "auto/ideal | auto/HF offloaded | auto: promoted / demoted / preempted |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for b in result.get("b", []):
-        spec = b["spec"]
-        name = f"b. {spec['model']}, {spec['num_seqs']} x ({spec['prompt_len']} + {spec['output_len']})"
+        name = _title(b)
         cpu = next((r.get("output_tok_per_s") for r in b["runs"] if r["placement"] == "cpu"), None)
         offloaded = b["peers"].get("hf_offloaded", {}).get("output_tok_per_s")
         for budget in sorted({r["budget_blocks"] for r in b["runs"] if r["placement"] == "gpu"}, reverse=True):
             at = {r["placement"]: r for r in b["runs"] if r["budget_blocks"] == budget}
             gpu, auto = (at.get(p, {}).get("output_tok_per_s") for p in ("gpu", "auto"))
-            gib = at.get("gpu", at.get("auto", {})).get("device_pool_gib", 0)
-            lines.append(f"| {name} | {gib:.2f} | {_n(gpu)} | {_n(auto)} | {_n(cpu)} | {_r(auto, gpu)} | "
-                         f"{_r(auto, offloaded)} |")
-        peers = ", ".join(f"{label[3:]} {_n(p.get('output_tok_per_s'))}" for label, p in b["peers"].items())
-        lines.append(f"| {name}: transformers generate | | | | | | {peers} |")
+            ideal = b.get("ideal_tok_per_s", {}).get(str(budget))
+            run = at.get("gpu", at.get("auto", {}))
+            moves = " / ".join(str(at.get("auto", {}).get(k, "-")) for k in ("promotions", "demotions", "preemptions"))
+            lines.append(f"| {name} | {run.get('device_pool_gib', 0):.2f} ({run.get('budget_fraction', 0):.3g}) | "
+                         f"{_n(gpu)} | {_n(auto)} | {_n(cpu)} | {_n(ideal)} | {_r(auto, gpu)} | {_r(auto, ideal)} | "
+                         f"{_r(auto, offloaded)} | {moves} |")
+        if b["peers"]:
+            peers = ", ".join(f"{label[3:]} {_n(p.get('output_tok_per_s'))}" for label, p in b["peers"].items())
+            lines.append(f"| {name}: transformers generate | | | | | | | | {peers} | |")
     lines.append("")
     if "a" in result:
         a = result["a"]

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
-#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b, suite-ac-8b
-# The offload suite runs in three calls (suite-ac, suite-b-small, suite-b-8b); then, here:
+#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b, suite-ac-8b,
+#   suite-dh-small, suite-dh-8b
+# The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -43,19 +44,28 @@ case "${1:-check}" in
     step check_promotion 120 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
     step suite_ac 450 python3 benchmarks/bench_throughput.py --profile full --workloads ac --out-dir "$OUT"
     ;;
-  suite-ac-8b)  # suite-ac and suite-b-8b in one call (one machine start), with shorter limits
+  suite-ac-8b)  # suite-ac and suite-b-8b in one call (one machine start), with shorter limits; b 8B's third
+    # budget (a 24 GiB card's) adds ~1 min, which 300 s may not hold: prefer suite-ac and suite-b-8b
     step check_promotion 80 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
     step suite_ac 200 python3 benchmarks/bench_throughput.py --profile full --workloads ac --out-dir "$OUT"
-    step suite_b_8b 300 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-models qwen3-8b \
-      --out-dir "$OUT"
+    step suite_b_8b 300 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names b \
+      --b-models qwen3-8b --out-dir "$OUT"
     ;;
   suite-b-small)
-    step suite_b_small 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-models qwen3-0.6b \
-      --out-dir "$OUT"
+    step suite_b_small 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names b \
+      --b-models qwen3-0.6b --out-dir "$OUT"
     ;;
   suite-b-8b)
-    step suite_b_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-models qwen3-8b \
-      --out-dir "$OUT"
+    step suite_b_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names b \
+      --b-models qwen3-8b --out-dir "$OUT"
+    ;;
+  suite-dh-small)  # decode-heavy 0.6B: gpu and auto at 1/4 and 1/8, cpu once, no peers (~5 min estimated)
+    step suite_dh_small 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names dh \
+      --b-models qwen3-0.6b --out-dir "$OUT"
+    ;;
+  suite-dh-8b)  # decode-heavy 8B: gpu and auto at a 24 GiB card's KV room and at 1/8, no cpu, no peers (~4-5 min)
+    step suite_dh_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names dh \
+      --b-models qwen3-8b --out-dir "$OUT"
     ;;
   gpu-bench)
     step gpu_attention 300 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"
