@@ -144,8 +144,7 @@ class LLMEngine:
         if self.in_flight is not None:
             self.in_flight[1].exception()  # waits for it; its outcome no longer matters
             self.in_flight = None
-        if self.runner.executor is not None:
-            self.runner.executor.drain()
+        self.runner.drain_host_work()
         self.scheduler.reset()
         self.blocks.reset()
 

@@ -186,6 +186,13 @@ class ModelRunner:
             else:
                 self._host_writes.append(write)
 
+    def drain_host_work(self) -> None:
+        """Lets every host kernel and write queued so far finish, and forgets their outcomes (LLMEngine.abort):
+        a write that failed belongs to the aborted call, not to the next one."""
+        if self.executor is not None:
+            self.executor.drain()
+        self._host_writes = []
+
     def _lane_stream(self, lane: str):
         """The lane's own CUDA stream: host-lane work (its rows' layers, its copies) queues beside the device
         lane's steps instead of in front of them, and the device lane's stream has the higher priority."""

@@ -100,9 +100,10 @@ class Scheduler:
 
     def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
         """Host-tier sequences to move into the device pool now (engine/placement.py picks them), each with the
-        host blocks that still hold its KV. Call only when no prefill was scheduled: a waiting request that the
-        device pool can take goes first. Sequences in the host step in flight are passed over, so every one
-        that fits moves at once (promotion_hold_back keeps the next ones out of the host step)."""
+        host blocks that still hold its KV. Call before admitting new requests: host sequences take freed device
+        room first, as "gpu" re-admits its preempted sequences first. Sequences in the host step in flight are
+        passed over, so every one that fits moves at once (promotion_hold_back keeps the next ones out of the
+        host step)."""
         if not self.kv_promotion:
             return []
         moves = [(seq, self.blocks.move(seq, BlockLocation.GPU)) for seq in promotions(self.running, self.blocks)]

@@ -92,3 +92,20 @@ def test_keyboard_interrupt_mid_step_leaves_the_engine_usable(qwen3_dir, monkeyp
     del blocks.register_computed_blocks
     _assert_idle_and_usable(llm, qwen3_dir)
     llm.close()
+
+
+def test_a_failed_write_left_behind_by_another_fault_does_not_haunt_the_next_call(qwen3_dir, monkeypatch):
+    """A host write fails on the executor, but a KeyboardInterrupt stops generate() before that failure was
+    looked at. The interrupt is what comes out; the next generate() must not re-raise the old write error."""
+    llm = _engine(qwen3_dir)
+    store = cpu_attention.store_kvcache
+    monkeypatch.setattr(cpu_attention, "store_kvcache", _fails_on_call(store, 1, ValueError("stale store fault")))
+    scheduler = llm.engine.scheduler
+    postprocess = scheduler.postprocess
+    scheduler.postprocess = _fails_on_call(postprocess, 1, KeyboardInterrupt())  # right after the first prefill
+    with pytest.raises(KeyboardInterrupt):
+        llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    monkeypatch.setattr(cpu_attention, "store_kvcache", store)
+    del scheduler.postprocess
+    _assert_idle_and_usable(llm, qwen3_dir)
+    llm.close()
