@@ -102,9 +102,20 @@ def memory_snapshot(llm: LLM) -> dict:
         torch.cuda.synchronize()
         free, total = torch.cuda.mem_get_info()
         snap.update(torch_pinned=_torch_pinned_bytes(), cuda_allocated=torch.cuda.memory_allocated(),
-                    cuda_reserved=torch.cuda.memory_reserved(), device_used=total - free)
+                    cuda_reserved=torch.cuda.memory_reserved(), device_used=total - free,
+                    reserved_by_stream=_reserved_by_stream())
     snap["pinned"] = snap["host_pool_pinned"] + (snap.get("torch_pinned") or 0)
     return snap
+
+
+def _reserved_by_stream() -> dict[str, int]:
+    """The caching allocator's segments summed per CUDA stream: a freed block is reused only by later
+    allocations on its own stream, so growth shows here as the stream that needed a larger block."""
+    sizes: dict[str, int] = {}
+    for segment in torch.cuda.memory_snapshot():
+        key = str(segment.get("stream", "?"))
+        sizes[key] = sizes.get(key, 0) + segment["total_size"]
+    return sizes
 
 
 def _torch_pinned_bytes() -> int | None:
@@ -164,7 +175,7 @@ def summarize(result: dict) -> dict:
     start, middle, end = result["memory_after_warmup"], rounds[(len(rounds) - 1) // 2]["memory"], rounds[-1]["memory"]
     memory = {key: {"start": start[key], "middle": middle[key], "end": end[key],
                     "growth": None if start[key] is None or end[key] is None else end[key] - start[key]}
-              for key in start}
+              for key in start if not isinstance(start[key], dict)}
     return {"requests": sum(r["requests"] for r in rounds), "requests_lost": sum(r["lost"] for r in rounds),
             "seconds": seconds, "output_tokens": output_tokens, "output_tok_per_s": output_tokens / seconds,
             "total_tok_per_s": (output_tokens + sum(r["prompt_tokens"] for r in rounds)) / seconds,
@@ -198,6 +209,11 @@ def print_table(result: dict) -> None:
     print(f"\n{'memory (GiB)':<18} {'start':>9} {'middle':>9} {'end':>9} {'growth':>9}")
     for key, m in s["memory"].items():
         print(f"{key:<18} {_gib(m['start']):>9} {_gib(m['middle']):>9} {_gib(m['end']):>9} {_gib(m['growth']):>9}")
+    if "reserved_by_stream" in result["memory_after_warmup"]:
+        print("device reserved per stream (GiB), after warm-up and each round:")
+        sizes = [result["memory_after_warmup"]] + [r["memory"] for r in result["rounds"]]
+        for stream in sorted({key for m in sizes for key in m["reserved_by_stream"]}):
+            print(f"  stream {stream}: " + " ".join(_gib(m["reserved_by_stream"].get(stream, 0)) for m in sizes))
     print(f"\n{s['requests']} requests in {s['seconds']:.1f} s: {s['output_tok_per_s']:.0f} output tok/s "
           f"({s['total_tok_per_s']:.0f} with prompts), {s['preemptions']} preemptions, {s['promotions']} "
           f"promotions, requests lost: {s['requests_lost']}, engine idle and pools free: {result['idle_after_rounds']}")
@@ -215,7 +231,7 @@ def plot(result: dict, path: str) -> None:
     fig, (mem, rate) = plt.subplots(1, 2, figsize=(11, 4))
     for key in rounds[0]["memory"]:
         values = [r["memory"][key] for r in rounds]
-        if all(v is not None for v in values) and any(values):
+        if all(isinstance(v, (int, float)) for v in values) and any(values):  # not the per-stream dicts
             mem.plot(x, [v / GiB for v in values], marker="o", label=key)
     mem.set(xlabel="round", ylabel="GiB", title="memory after each round")
     mem.legend(fontsize=8)

@@ -83,6 +83,8 @@ def workload_b(profile: Profile, spec: BeyondVram, cache: str, read_gbps: float,
         print(f"    {result.get('output_tok_per_s', 0):.0f} output tok/s, {result.get('promotions', 0)} promoted, "
               f"{result.get('demotions', 0)} demoted, {result.get('preemptions', 0)} preempted "
               f"{result.get('error', '')}")
+        if placement == "auto" and "lane_stats" in result:
+            print(f"    lanes {result['decoded_by_lane']}, cost check {result['lane_stats']}")
     found = {}
     for cache_kind in (None, "offloaded") if peers and spec.peers else ():
         label = f"hf_{cache_kind or 'dynamic'}"

@@ -41,6 +41,8 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **
         "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu")},
         "preemptions": llm.engine.scheduler.num_preemptions, "promotions": llm.engine.scheduler.num_promotions,
         "demotions": llm.engine.scheduler.num_demotions,
+        "decoded_by_lane": dict(llm.engine.decoded_by_lane),  # the warm-up's few tokens included
+        "lane_stats": llm.engine.stats.snapshot(),  # the cost check's inputs at the end, and its outcomes
         **llm.kv_cache_summary,
         "device_pool_gib": runner.num_gpu_blocks * llm.config.block_size
         * llm.model_config.kv_bytes_per_token(llm.dtype) / 2**30,

@@ -1,12 +1,21 @@
 """What the two decode lanes cost, measured as the engine runs: the inputs of placement's cost check.
 
-- A host-lane step takes about `fixed + per_byte * kv_bytes` seconds: per-layer hand-offs and copies, then
-  the CPU kernel streaming the rows' KV. Both terms are fitted by least squares over recent steps, old
-  steps fading out (the weight halves every HALF_LIFE steps), so the fit follows the host as it warms up.
-- A device-lane step takes longer while a host step is in flight than while the host lane is idle; the
-  ratio of their recent averages is the slowdown the host lane imposes.
+- A host-lane step takes `fixed + per_byte * kv_bytes` seconds: the per-layer hand-offs, copies and the rows'
+  device-side layers, then the CPU kernels streaming the rows' KV. Both terms are measured directly, not
+  fitted: the executor times its kernels inside each step, so per_byte is kernel seconds over KV bytes read and
+  fixed is the rest of the step. (A least-squares fit of step time against bytes, used before, split the two
+  terms by chance whenever the host steps all held about the same bytes, as in any steady batch; a fit that
+  put everything in per_byte made every extra row look worthless, and overflow was recomputed instead.)
+- A device-lane step takes longer while a host step is in flight than while the host lane is idle. Steps are
+  compared only at equal row counts: a busy host lane coincides with a full device batch, whose steps are
+  slower anyway, and comparing all steps at once took that for the host lane's doing. Steps that also copied
+  KV between the tiers are not timed (the engine leaves them out).
 - The device lane's tokens per second, from its recent steps.
+
+Averages are exponentially weighted (an old step's weight halves every HALF_LIFE steps), so they follow the
+host as it warms up. `snapshot()` is what benchmarks record next to their throughput.
 """
+from collections import Counter
 from dataclasses import dataclass
 
 HALF_LIFE = 32  # steps
@@ -14,49 +23,72 @@ HALF_LIFE = 32  # steps
 
 @dataclass
 class _Average:
-    """An exponentially weighted mean that is None until it has seen a value."""
+    """An exponentially weighted mean that is None until it has seen a value; `count` values seen."""
 
     value: float | None = None
+    count: int = 0
 
     def add(self, x: float, weight: float = 1 / HALF_LIFE) -> None:
         self.value = x if self.value is None else self.value + weight * (x - self.value)
+        self.count += 1
 
 
 class LaneStats:
     def __init__(self, kv_bytes_per_token: int | None = None):
         self.kv_bytes_per_token = kv_bytes_per_token  # of the model: host step cost is per byte of KV read
-        self._decay = 0.5 ** (1 / HALF_LIFE)
-        self._sums = [0.0] * 5  # weight, x, y, xx, xy of (KV bytes, seconds) of host steps
-        self._distinct_bytes: set[int] = set()
-        self.device_step = {False: _Average(), True: _Average()}  # keyed by "a host step was in flight"
+        self.host_fixed = _Average()  # seconds of a host step outside its CPU kernels
+        self._kernel_seconds = _Average()  # of a host step's CPU kernels...
+        self._kernel_bytes = _Average()  # ...and the KV bytes they read: per_byte is the ratio
+        self._device_steps: dict[tuple[int, bool], _Average] = {}  # (rows, host step in flight) -> seconds
         self.device_tok_s = _Average()
+        self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
 
     # ---- recording -----------------------------------------------------------------------------------------
-    def host_step(self, kv_bytes: int, seconds: float) -> None:
-        self._sums = [s * self._decay for s in self._sums]
-        for i, term in enumerate((1.0, kv_bytes, seconds, kv_bytes * kv_bytes, kv_bytes * seconds)):
-            self._sums[i] += term
-        if len(self._distinct_bytes) < 2:
-            self._distinct_bytes.add(kv_bytes)
+    def host_step(self, kv_bytes: int, seconds: float, kernel_seconds: float) -> None:
+        """A host-lane step over rows holding kv_bytes of KV took `seconds`, `kernel_seconds` of it in the CPU
+        attention kernels."""
+        kernel_seconds = min(kernel_seconds, seconds)
+        self.host_fixed.add(seconds - kernel_seconds)
+        self._kernel_seconds.add(kernel_seconds)
+        self._kernel_bytes.add(kv_bytes)
 
     def device_step_done(self, rows: int, seconds: float, host_busy: bool) -> None:
-        self.device_step[host_busy].add(seconds)
+        self._device_steps.setdefault((rows, host_busy), _Average()).add(seconds)
         self.device_tok_s.add(rows / max(seconds, 1e-6))
 
+    def record_check(self, kind: str, pays: bool) -> None:
+        self.checks[(kind, pays)] += 1
+
     # ---- predictions ---------------------------------------------------------------------------------------
-    def host_step_seconds(self, kv_bytes: int) -> float | None:
-        """Predicted host step time for rows holding kv_bytes of KV, or None before two different step sizes
-        have been seen (one point cannot separate the fixed cost from the per-byte cost)."""
-        if len(self._distinct_bytes) < 2:
+    @property
+    def host_per_byte(self) -> float | None:
+        if not self._kernel_bytes.value:
             return None
-        weight, x, y, xx, xy = self._sums
-        spread = weight * xx - x * x
-        per_byte = max(0.0, (weight * xy - x * y) / spread) if spread > 0 else 0.0
-        fixed = max(0.0, (y - per_byte * x) / weight)
-        return fixed + per_byte * kv_bytes
+        return self._kernel_seconds.value / self._kernel_bytes.value
+
+    def host_step_seconds(self, kv_bytes: int) -> float | None:
+        """Predicted host step time for rows holding kv_bytes of KV, or None before a host step was measured."""
+        per_byte = self.host_per_byte
+        return None if per_byte is None else self.host_fixed.value + per_byte * kv_bytes
 
     @property
     def slowdown(self) -> float:
-        """Device step time with a host step in flight over without (1.0 until both have been seen)."""
-        idle, busy = self.device_step[False].value, self.device_step[True].value
-        return max(1.0, busy / idle) if idle and busy else 1.0
+        """Device step time with a host step in flight over without, at equal row counts: the mean of the
+        per-row-count ratios, each weighted by how many steps back its rarer side (1.0 until some row count
+        was seen both ways)."""
+        total = weight_sum = 0.0
+        for (rows, busy), busy_avg in self._device_steps.items():
+            idle_avg = self._device_steps.get((rows, False)) if busy else None
+            if idle_avg is None or not idle_avg.value:
+                continue
+            weight = min(idle_avg.count, busy_avg.count)
+            total += weight * busy_avg.value / idle_avg.value
+            weight_sum += weight
+        return max(1.0, total / weight_sum) if weight_sum else 1.0
+
+    def snapshot(self) -> dict:
+        """The check's inputs as they stand, and its outcomes so far (for benchmark JSON)."""
+        return {"host_fixed_s": self.host_fixed.value, "host_kernel_s_per_gb": (self.host_per_byte or 0) * 1e9,
+                "host_steps": self.host_fixed.count, "device_slowdown": self.slowdown,
+                "device_tok_s": self.device_tok_s.value,
+                "checks": {f"{kind}_{'pays' if pays else 'refused'}": n for (kind, pays), n in self.checks.items()}}

@@ -51,6 +51,7 @@ class LLMEngine:
         self.in_flight: tuple[list[Sequence], Future] | None = None  # the host lane's decode step
         # The latest step times of each lane: how many device steps one host step spans (promotion look-ahead).
         self.host_step_seconds = self.device_step_seconds = 0.0
+        self.decoded_by_lane = {"device": 0, "host": 0}  # tokens each lane decoded (benchmarks report the split)
 
     def make_sequence(self, token_ids: list[int], params) -> Sequence:
         """A sequence for the request, or ValueError if no pool it may use could ever hold it."""
@@ -101,8 +102,10 @@ class LLMEngine:
             host_busy, began = self.in_flight is not None, time.perf_counter()
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=False))
             self.device_step_seconds = time.perf_counter() - began
-            self.stats.device_step_done(len(batch), self.device_step_seconds, host_busy)
+            if not (moves or demoted):  # a step behind KV copies would count their time as the step's
+                self.stats.device_step_done(len(batch), self.device_step_seconds, host_busy)
             num_tokens += len(batch)
+            self.decoded_by_lane["device"] += len(batch)
         elif self.in_flight is not None:
             more, count = self._take_host_step(wait=True)  # nothing else to do until it is back
             finished, num_tokens = finished + more, num_tokens + count
@@ -122,7 +125,8 @@ class LLMEngine:
         began = time.perf_counter()
         tokens = self.runner.run(batch, False, "host")
         self.host_step_seconds = time.perf_counter() - began
-        self.stats.host_step(sum(map(len, batch)) * self.stats.kv_bytes_per_token, self.host_step_seconds)
+        self.stats.host_step(sum(map(len, batch)) * self.stats.kv_bytes_per_token, self.host_step_seconds,
+                             self.runner.host_kernel_seconds["host"])
         return tokens
 
     def _take_host_step(self, wait: bool) -> tuple[list[Sequence], int]:
@@ -133,6 +137,7 @@ class LLMEngine:
         self.in_flight = None
         for seq in batch:
             seq.in_flight = False
+        self.decoded_by_lane["host"] += len(batch)
         return self.scheduler.postprocess(batch, future.result()), len(batch)
 
     def abort(self) -> None:

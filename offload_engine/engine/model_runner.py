@@ -12,7 +12,7 @@ from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.layers.attention_backends import select_backend
-from offload_engine.layers.sampler import SamplingBatch, sample
+from offload_engine.layers.sampler import SamplingBatch, largest_sampling_step, sample
 from offload_engine.loader import build_model
 
 GiB = 1 << 30
@@ -32,6 +32,8 @@ class ModelRunner:
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
+        self._torch_threads = None  # torch's CPU threads before the engine set them to one (restored by close)
+        self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
         self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
         try:
             self._start(model_dir)
@@ -62,9 +64,38 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # what start-up queued on the default stream is done
             self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
+            self._reserve_step_memory()
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
+        if self.host_pool is not None and self.device.type == "cuda":
+            # torch's own CPU thread team keeps the host tier's kernel off its cores: with torch at its default
+            # threads, the kernel read a host step's KV 2.4x slower while the device lane ran (276 against
+            # 113 ms, 32 rows x 1k tokens, H100 host, 2026-11-22), and 1.0x with one thread (110 ms). The engine
+            # does no bulk CPU work in torch; close() gives the caller's setting back.
+            self._torch_threads = torch.get_num_threads()
+            torch.set_num_threads(1)
         self.startup_seconds["total"] = time.perf_counter() - began
+
+    def _reserve_step_memory(self) -> None:
+        """Runs the largest prefill the scheduler can form, and samples one full batch through top-k and top-p
+        on each lane's stream, so that the caching allocator holds the steps' largest blocks from the start.
+        Otherwise each new largest step of a run reserves more device memory mid-run, on its lane's stream,
+        whose cached blocks the other stream cannot reuse (0.5 GiB over 10,000 requests, H100, 2026-11-22).
+        The pool was sized for this (engine/memory_profile.py). Before any request: the prefill's KV lands in
+        blocks nobody holds yet."""
+        from offload_engine.engine.memory_profile import run_dummy_prefill
+
+        tokens = min(self.cfg.max_num_batched_tokens, self.num_gpu_blocks * self.cfg.block_size)
+        seq_len = min(self.max_model_len, tokens)
+        with torch.cuda.stream(self.streams["device"]):
+            run_dummy_prefill(self, max(1, min(self.cfg.max_num_seqs, tokens // seq_len)), seq_len)
+        for lane, stream in self.streams.items():
+            if lane == "host" and self.host_pool is None:
+                continue  # no host lane will ever sample
+            with torch.cuda.stream(stream), torch.inference_mode():
+                sample(*largest_sampling_step(self.cfg.max_num_seqs, self.model_cfg.vocab_size, self.device),
+                       torch.Generator(device=self.device))  # a throwaway: the lanes' own draw as before
+            stream.synchronize()
 
     # ---- pools -------------------------------------------------------------------------------------------
     def _block_bytes(self, block_size: int) -> int:
@@ -155,6 +186,9 @@ class ModelRunner:
             self.host_pool.close()  # unpinned before the memory can go
             self.host_pool = None
         self.device_pool = self.model = None
+        if self._torch_threads is not None:
+            torch.set_num_threads(self._torch_threads)
+            self._torch_threads = None
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
 
@@ -214,7 +248,9 @@ class ModelRunner:
                 hidden = self.model(step.token_ids, step.positions, step.meta)
                 logits = self.model.compute_logits(hidden[step.sample_rows])
             self._host_writes += step.meta.pending_host_writes  # host-tier prefill: not waited for
-            return sample(logits, self._sampling_batch(seqs), self.generators[lane]).tolist()
+            tokens = sample(logits, self._sampling_batch(seqs), self.generators[lane]).tolist()
+            self.host_kernel_seconds[lane] = sum(step.meta.host_kernel_seconds)  # every layer's kernel is back
+            return tokens
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]

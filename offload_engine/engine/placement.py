@@ -45,18 +45,27 @@ def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[
         return GPU
     if not blocks.can_allocate(seq, CPU):
         return None
-    if not device_ever or host_lane_pays(seq, running, stats, joining=waiting):
+    if not device_ever or _checked("admit", host_lane_pays(seq, running, stats, joining=waiting), stats):
         return CPU
     return None
 
 
 def demotes(victim: Sequence, policy: str, blocks: BlockManager, running: list[Sequence],
-            stats: LaneStats | None) -> bool:
-    """Whether a device sequence that must give up its blocks moves to the host tier (else: recomputed)."""
+            stats: LaneStats | None, waiting: Iterable[Sequence] = ()) -> bool:
+    """Whether a device sequence that must give up its blocks moves to the host tier (else: recomputed).
+    `waiting`: requests refused admission so far, which would join the host lane behind it."""
     if policy != "auto":
         return False
     host = blocks.pool(CPU)
-    return host.blocks_for(len(victim)) <= host.num_free and host_lane_pays(victim, running, stats)
+    if host.blocks_for(len(victim)) > host.num_free:
+        return False
+    return _checked("demote", host_lane_pays(victim, running, stats, joining=waiting), stats)
+
+
+def _checked(kind: str, pays: bool, stats: LaneStats | None) -> bool:
+    if stats is not None:
+        stats.record_check(kind, pays)
+    return pays
 
 
 def host_lane_pays(seq: Sequence, running: Iterable[Sequence], stats: LaneStats | None,
@@ -64,10 +73,11 @@ def host_lane_pays(seq: Sequence, running: Iterable[Sequence], stats: LaneStats 
     """Whether seq as one more host-lane row adds tokens per second overall.
 
     The host lane gives rows / step_time tokens per second, with step_time predicted from the KV bytes its
-    rows hold (LaneStats); seq changes that by `gain`. Waking the lane from idle also slows every device step
-    by the measured slowdown, which costs the device lane that share of its tokens: that is weighed against
-    what the lane would give with every row that would start it together (seq and `joining`). Until the
-    engine has measured host steps there is nothing to predict from, and the lane is tried."""
+    rows hold (LaneStats); a busy lane takes seq if that rate goes up. Waking the lane from idle also slows
+    every device step by the measured slowdown, which costs the device lane that share of its tokens: that is
+    weighed against what the lane would give with every row that would start it together (seq and
+    `joining`). Until the engine has measured a host step there is nothing to predict from, and the lane is
+    tried."""
     if stats is None or stats.kv_bytes_per_token is None:
         return True
     host_tokens = [len(s) for s in running if s.location == CPU and s is not seq]

@@ -134,7 +134,7 @@ class Scheduler:
         """Frees a decoding sequence's blocks on its tier: demoted to the host tier where placement says so,
         else preempted."""
         if victim.location == BlockLocation.GPU and demotes(victim, self.kv_placement, self.blocks, self.running,
-                                                             self.stats):
+                                                             self.stats, self.waiting):
             self.demotions.append((victim, self.blocks.move(victim, BlockLocation.CPU)))
             victim.demoted = True
             self.num_demotions += 1

@@ -8,6 +8,8 @@ Per step and layer (DESIGN.md, "The split attention layer"):
 - Prefill is compute-bound and always runs on the device. A CPU-tier row's cached prefix is staged from the
   host pool into a token-major staging cache for the layer; nothing else of its KV moves.
 """
+import time
+
 import torch
 from torch import nn
 
@@ -52,10 +54,13 @@ class Attention(nn.Module):
         def run():
             if arrived is not None:
                 arrived.synchronize()
+            began = time.perf_counter()
             # The new token's K/V must be in the pool before the kernel reads its row.
             store_kvcache(k_host, v_host, self.k_cache_cpu, self.v_cache_cpu, meta.slot_mapping_cpu)
-            return paged_decode_attention(
+            out = paged_decode_attention(
                 q_host, self.k_cache_cpu, self.v_cache_cpu, meta.block_tables_cpu, meta.context_lens_cpu, self.scale)
+            meta.host_kernel_seconds.append(time.perf_counter() - began)
+            return out
 
         return self.executor.submit(run)
 

@@ -50,3 +50,5 @@ class AttentionMetadata:
     staging: PrefixStaging | None = None
     # Host-pool writes still running on the CPU executor; the runner tracks them (ModelRunner.check_host_writes).
     pending_host_writes: list[Future] = field(default_factory=list)
+    # Decode: seconds each layer's CPU kernels took on the executor, for the cost check (engine/lane_stats.py).
+    host_kernel_seconds: list[float] = field(default_factory=list)

@@ -49,3 +49,13 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torc
     drop |= (probs.cumsum(dim=-1) - probs) >= top_ps.unsqueeze(1)
     sorted_logits = sorted_logits.masked_fill(drop, -float("inf"))
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+
+
+def largest_sampling_step(rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, SamplingBatch]:
+    """Random logits and settings for the sampler's most memory-hungry step: every row sampled through top-k
+    and top-p. The engine runs it at start-up to size and reserve the sampler's memory."""
+    full = lambda value, dtype: torch.full((rows,), value, dtype=dtype, device=device)
+    batch = SamplingBatch(temperatures=full(1.0, torch.float32), top_ks=full(50, torch.int64),
+                          top_ps=full(0.9, torch.float32), generators=[None] * rows, all_greedy=False,
+                          needs_filter=True)
+    return torch.randn(rows, vocab, device=device), batch

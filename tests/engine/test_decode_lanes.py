@@ -46,10 +46,12 @@ def test_both_lanes_busy_for_many_steps_stay_exact(qwen3_dir):
     graphs at once). A buffer the two shared, such as a cuBLAS workspace baked into both lanes' graphs,
     would corrupt one lane's tokens here."""
     prompts = random_prompts((20, 21, 22, 23, 24, 25, 26, 27, 28, 29), 256, seed=51)
+    # Five prompts on each tier. The host pool holds every sequence at full length (and those the device
+    # demotes), so no host sequence is ever preempted: which would leave the tier counts to the lanes' timing.
     llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", kv_promotion=False, num_gpu_blocks=10,
-              num_cpu_blocks=16, cpu_block_size=16)  # five prompts on each tier
+              num_cpu_blocks=40, cpu_block_size=16)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=24, ignore_eos=True), use_tqdm=False)
-    assert [o.kv_location for o in outputs].count("cpu") >= 4
+    assert [o.kv_location for o in outputs].count("cpu") >= 5
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 24)):
         assert output.token_ids[: len(ref)] == ref
     llm.close()

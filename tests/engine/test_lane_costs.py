@@ -18,14 +18,20 @@ def _host_seq(num_tokens: int) -> Sequence:
 def _measured(fixed: float, per_byte: float) -> LaneStats:
     stats = LaneStats(KV_BYTES)
     for tokens in (1000, 4000, 2000, 8000):
-        stats.host_step(tokens * KV_BYTES, fixed + per_byte * tokens * KV_BYTES)
+        kernel = per_byte * tokens * KV_BYTES
+        stats.host_step(tokens * KV_BYTES, fixed + kernel, kernel)
     return stats
 
 
-def test_host_step_fit_recovers_fixed_and_per_byte_cost():
+def test_host_step_cost_is_measured_from_kernel_time_not_fitted():
     stats = _measured(fixed=0.01, per_byte=1e-8)
     assert abs(stats.host_step_seconds(5000 * KV_BYTES) - (0.01 + 1e-8 * 5000 * KV_BYTES)) < 1e-9
     assert LaneStats(KV_BYTES).host_step_seconds(10) is None  # nothing measured: nothing predicted
+    # Steps that all read the same bytes (a steady batch) still separate the two terms: one step suffices.
+    steady = LaneStats(KV_BYTES)
+    steady.host_step(3000 * KV_BYTES, 0.02 + 0.03, 0.03)
+    assert abs(steady.host_step_seconds(6000 * KV_BYTES) - (0.02 + 0.06)) < 1e-9
+    assert abs(steady.host_fixed.value - 0.02) < 1e-12
 
 
 def test_slowdown_is_busy_over_idle_device_steps():
@@ -35,6 +41,19 @@ def test_slowdown_is_busy_over_idle_device_steps():
         stats.device_step_done(rows=8, seconds=0.010, host_busy=False)
         stats.device_step_done(rows=8, seconds=0.011, host_busy=True)
     assert abs(stats.slowdown - 1.1) < 1e-6
+
+
+def test_slowdown_compares_steps_of_equal_rows_only():
+    """Busy steps that are slower only because the device batch is bigger are no slowdown."""
+    stats = LaneStats(KV_BYTES)
+    for _ in range(20):
+        stats.device_step_done(rows=4, seconds=0.005, host_busy=False)
+        stats.device_step_done(rows=16, seconds=0.010, host_busy=True)
+    assert stats.slowdown == 1.0  # no row count seen both ways yet
+    for _ in range(20):
+        stats.device_step_done(rows=16, seconds=0.0100, host_busy=False)
+        stats.device_step_done(rows=4, seconds=0.0051, host_busy=True)
+    assert 1.0 < stats.slowdown < 1.03
 
 
 def test_unmeasured_host_lane_is_tried():
@@ -76,7 +95,7 @@ def test_engine_keeps_overflow_off_a_host_lane_that_would_cost_more_than_it_adds
               cpu_block_size=16)
     stats = llm.engine.stats
     for tokens in (100, 400):
-        stats.host_step(tokens * stats.kv_bytes_per_token, 1.0 + tokens * 1e-4)
+        stats.host_step(tokens * stats.kv_bytes_per_token, 1.0 + tokens * 1e-4, tokens * 1e-4)
     for _ in range(64):
         stats.device_step_done(rows=4, seconds=0.01, host_busy=False)
         stats.device_step_done(rows=4, seconds=0.02, host_busy=True)
