@@ -156,7 +156,7 @@ def main() -> None:
     args = parser.parse_args()
     path = model_dir(args.model, args.model_cache)
     instrument()
-    if args.torch_threads:
+    if args.torch_threads:  # before the engine starts: torch's CPU thread team is then made at this size
         torch.set_num_threads(args.torch_threads)
     rows_cases = ([int(n) for n in args.device_rows_cases.split(",")] if args.device_rows_cases
                   else [0, args.device_seqs])

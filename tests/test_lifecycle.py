@@ -101,11 +101,3 @@ def test_engines_made_one_after_another_give_device_memory_back(qwen3_dir):
         llm.close()
         assert torch.cuda.memory_reserved() <= baseline
 
-
-@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the engine sets torch's CPU threads only with a host tier on CUDA")
-def test_host_tier_engine_holds_torch_to_one_cpu_thread_until_closed(qwen3_dir):
-    before = torch.get_num_threads()
-    llm = _two_tier_engine(qwen3_dir)
-    assert torch.get_num_threads() == 1  # the host kernel's cores stay its own
-    llm.close()
-    assert torch.get_num_threads() == before

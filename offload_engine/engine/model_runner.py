@@ -32,7 +32,6 @@ class ModelRunner:
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
-        self._torch_threads = None  # torch's CPU threads before the engine set them to one (restored by close)
         self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
         self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
         try:
@@ -67,13 +66,6 @@ class ModelRunner:
             self._reserve_step_memory()
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
-        if self.host_pool is not None and self.device.type == "cuda":
-            # torch's own CPU thread team keeps the host tier's kernel off its cores: with torch at its default
-            # threads, the kernel read a host step's KV 2.4x slower while the device lane ran (276 against
-            # 113 ms, 32 rows x 1k tokens, H100 host, 2026-11-22), and 1.0x with one thread (110 ms). The engine
-            # does no bulk CPU work in torch; close() gives the caller's setting back.
-            self._torch_threads = torch.get_num_threads()
-            torch.set_num_threads(1)
         self.startup_seconds["total"] = time.perf_counter() - began
 
     def _reserve_step_memory(self) -> None:
@@ -186,9 +178,6 @@ class ModelRunner:
             self.host_pool.close()  # unpinned before the memory can go
             self.host_pool = None
         self.device_pool = self.model = None
-        if self._torch_threads is not None:
-            torch.set_num_threads(self._torch_threads)
-            self._torch_threads = None
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
 
