@@ -1,15 +1,14 @@
 """Sizes the device KV pool from the memory left after the model's own peak (CUDA only).
 
 A warmup prefill of the largest batch the scheduler can form runs through a temporary pool; what the model,
-its activations and the sampler (for a full batch, in each lane) take at their peak, plus everything else already on the card, is subtracted
-from total memory x gpu_memory_utilization. The rest is the KV pool.
+its activations and the sampler (a full batch, once per lane) take at their peak, plus everything else
+already on the card, is subtracted from total memory x gpu_memory_utilization. The rest is the KV pool.
 """
 import torch
 
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.sampler import largest_sampling_step, sample
 from offload_engine.sampling_params import SamplingParams
-
 
 
 @torch.inference_mode()
@@ -34,7 +33,7 @@ def profile_free_kv_bytes(runner) -> int:
     torch.cuda.empty_cache()
 
     # The sampler's peak for a full batch, once per decode lane: each lane samples on its own stream, and the
-    # caching allocator keeps each stream's blocks apart (ModelRunner._reserve_sampler_memory).
+    # caching allocator keeps each stream's blocks apart (ModelRunner._reserve_step_memory).
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
     sample(*largest_sampling_step(cfg.max_num_seqs, runner.model_cfg.vocab_size, runner.device),

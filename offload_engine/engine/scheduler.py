@@ -11,6 +11,8 @@ into device room before new requests take it (schedule_promotions). Which tier, 
 engine/placement.py's to say.
 """
 from collections import deque
+from collections.abc import Iterator
+from itertools import islice
 
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
@@ -58,7 +60,7 @@ class Scheduler:
                 batch.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self.waiting)
+            tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self._could_join())
             if tier is None:
                 break
             self.blocks.allocate(seq, tier)
@@ -130,11 +132,16 @@ class Scheduler:
         return next(s for s in reversed(self.running)
                     if s.location == seq.location and not s.in_flight and not s.in_prefill)
 
+    def _could_join(self) -> Iterator[Sequence]:
+        """The waiting requests that could be running beside the current ones (max_num_seqs): those the cost
+        check counts as joining the host lane. Not the whole queue, which can be thousands long."""
+        return islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
+
     def _make_room(self, victim: Sequence) -> None:
         """Frees a decoding sequence's blocks on its tier: demoted to the host tier where placement says so,
         else preempted."""
         if victim.location == BlockLocation.GPU and demotes(victim, self.kv_placement, self.blocks, self.running,
-                                                             self.stats, self.waiting):
+                                                             self.stats, self._could_join()):
             self.demotions.append((victim, self.blocks.move(victim, BlockLocation.CPU)))
             victim.demoted = True
             self.num_demotions += 1

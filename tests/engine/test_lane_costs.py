@@ -106,3 +106,26 @@ def test_engine_keeps_overflow_off_a_host_lane_that_would_cost_more_than_it_adds
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 20)):
         assert output.token_ids[: len(ref)] == ref
     llm.close()
+
+
+@pytest.mark.real_cost_check
+def test_only_requests_that_could_run_count_as_joining_the_host_lane():
+    """A queue of forty behind max_num_seqs=4 must not talk the check into waking the lane for one row."""
+    from offload_engine.engine.block_manager import BlockManager
+    from offload_engine.engine.scheduler import Scheduler
+
+    stats = _measured(fixed=0.02, per_byte=1e-9)
+    for _ in range(40):
+        stats.device_step_done(rows=64, seconds=0.010, host_busy=False)
+        stats.device_step_done(rows=64, seconds=0.0105, host_busy=True)
+    # 64 device blocks hold one request's budget (63 blocks): the first goes to the device, the rest ask the check.
+    scheduler = Scheduler(BlockManager(64, 16, 400, 16, False), "auto", max_num_seqs=4, max_num_batched_tokens=4096,
+                          max_model_len=2048, eos_token_ids=(), stats=stats)
+    for _ in range(40):
+        scheduler.add(Sequence(list(range(1000)), SamplingParams(), budget=1008))
+    assert len(list(scheduler._could_join())) == 4
+    assert host_lane_pays(_host_seq(1000), [], stats, joining=[_host_seq(1000) for _ in range(39)])
+    assert not host_lane_pays(_host_seq(1000), [], stats, joining=scheduler._could_join())
+    batch = scheduler.schedule_prefill()
+    assert [s.location for s in batch] == [BlockLocation.GPU]  # the rest wait, as under "gpu"
+    assert stats.checks[("admit", False)] == 1
