@@ -6,8 +6,11 @@ block_tables [B, max_blocks] padded with -1, context_lens [B], Hq % Hkv == 0 -> 
 lse float32 [B, Hq] (natural log); a row with context 0 gives out 0 and lse -inf. Everything is a torch CPU
 tensor; the caches must be contiguous because they are never copied.
 
-The output is produced in float32 and rounded to q's dtype by torch: that touches [B, Hq, D] only, and torch's
-conversion is correctly rounded (round-to-nearest-even, float16 subnormals, nan) with no code of ours.
+q is widened and scaled, and the float32 output rounded to q's dtype, in numpy, not in torch: both touch
+[B, Hq, D] only, but a torch CPU op of more than 32k elements on the executor's thread makes torch start an
+OpenMP team of its own there, whose threads then spin beside the kernel's. On the H100 host that made the
+kernel 1.3x slower with the device lane idle and 2.4x with it busy (benchmarks/NOTES.md). numpy's casts are
+single-threaded; float16 rounds in numpy's own cast, bfloat16 by round-to-nearest-even on the bits.
 """
 import numba
 import numpy as np
@@ -32,16 +35,38 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """One query token per sequence against its paged context -> (out [B, Hq, D] in q's dtype, lse [B, Hq])."""
     _check_inputs(q, k_cache, v_cache, block_tables, context_lens)
     batch, num_q_heads, head_dim = q.shape
-    # A fresh contiguous float32 copy whatever q's dtype and strides (one compiled layout, q itself untouched).
-    scaled_q = q.to(torch.float32, copy=True, memory_format=torch.contiguous_format).mul_(float(scale))
     out = np.empty((batch, num_q_heads, head_dim), np.float32)
     lse = np.empty((batch, num_q_heads), np.float32)
-    error = decode_kernel(scaled_q.numpy(), kernel_view(k_cache), kernel_view(v_cache), _int32(block_tables),
+    error = decode_kernel(scaled_query(q, scale), kernel_view(k_cache), kernel_view(v_cache), _int32(block_tables),
                           _int32(context_lens), 0, numba.get_num_threads(), out, lse)
     if error:
         raise ValueError(f"paged_decode_attention: {ERRORS[error]}")
-    out_t = torch.from_numpy(out)
-    return (out_t if q.dtype == torch.float32 else out_t.to(q.dtype)), torch.from_numpy(lse)
+    return torch.from_numpy(narrowed(out, q.dtype)).view(q.dtype), torch.from_numpy(lse)
+
+
+def scaled_query(q: torch.Tensor, scale: float) -> np.ndarray:
+    """A fresh contiguous float32 copy of q times scale, whatever q's dtype and strides (q itself untouched)."""
+    if q.dtype == torch.bfloat16:  # bfloat16 is the top half of a float32
+        wide = (q.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
+    else:
+        wide = q.numpy().astype(np.float32)  # always a copy, C-contiguous
+    wide *= np.float32(scale)
+    return wide
+
+
+def narrowed(out: np.ndarray, dtype: torch.dtype) -> np.ndarray:
+    """float32 `out` rounded to nearest-even in `dtype`, as numpy's element type the torch dtype shares bits with."""
+    if dtype == torch.float32:
+        return out
+    if dtype == torch.float16:
+        with np.errstate(over="ignore"):  # beyond float16's range is inf, as torch rounds it
+            return out.astype(np.float16)
+    bits = out.view(np.uint32)
+    rounded = ((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16)).astype(np.uint16)
+    nan = np.isnan(out)
+    if nan.any():  # the rounding carry would turn a nan's low mantissa into inf: keep it a (quiet) nan
+        rounded[nan] = (bits[nan] >> np.uint32(16)).astype(np.uint16) | np.uint16(0x0040)
+    return rounded.view(np.int16)
 
 
 def split_plan(context_lens, block_size: int, num_kv_heads: int, num_threads: int | None = None) -> np.ndarray:

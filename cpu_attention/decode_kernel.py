@@ -46,6 +46,7 @@ MIN_ITEM_TOKENS = 256  # below this, an item's cold start and its merge cost mor
 ERRORS = {
     1: "a context length is negative or longer than its block table row",
     2: "a block table entry inside a context is outside the cache (negative or >= num_blocks)",
+    3: "the step was abandoned before the device handed its layer over",
 }
 
 
@@ -189,14 +190,18 @@ def _prefetch_row(cache, row_start, step):
 def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block):
     """scores[g, t] = q[h0 + g] . k[t] for the n valid rows of one K block, and block_max[g] = max_t scores.
 
-    Four query heads x four K rows per pass: every widened K element feeds four heads (the GQA group shares
-    the load) and every q element four rows, and the 16 sums' horizontal reductions overlap each other. The
-    max is taken here, one step per four rows, because a separate pass is a serial chain of compares.
+    Four rows at a time, the group's heads in quads, then a pair, then a single head (the group's remainder
+    mod 4 is 0-3 heads): every widened K element feeds every head of the pass (the GQA group shares the load)
+    and every q element four rows, and the pass's sums' horizontal reductions overlap each other. The pair and
+    single passes are not rare leftovers: group 2 (Qwen3-0.6B, 16/8 heads) runs only the pair pass, group 1
+    only the single one, and one dot per row would be a chain of loads and reductions that never overlap.
+    The tail rows (n % 4) take one _dot per head. The max is taken here, one step per four rows, because a
+    separate pass is a serial chain of compares.
     """
     block_max[:] = -np.inf
     dim = kb.shape[1]
     step = CACHE_LINE_BYTES // kb.itemsize
-    quads, n4 = group - group % 4, n - n % 4
+    quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
     for t in range(0, n4, 4):
         for r in range(4):
             _prefetch_row(k_cache, next_block + (t + r) * dim, step)
@@ -230,10 +235,35 @@ def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block):
             block_max[g + 1] = max(block_max[g + 1], max(max(a1, b1), max(c1, e1)))
             block_max[g + 2] = max(block_max[g + 2], max(max(a2, b2), max(c2, e2)))
             block_max[g + 3] = max(block_max[g + 3], max(max(a3, b3), max(c3, e3)))
-        for g in range(quads, group):
-            for r in range(4):
-                scores[g, t + r] = _dot(q, h0 + g, kb, t + r)
-                block_max[g] = max(block_max[g], scores[g, t + r])
+        for g in range(quads, pairs, 2):  # at most once: two heads x four rows, 8 sums
+            a0 = a1 = b0 = b1 = c0 = c1 = e0 = e1 = np.float32(0.0)
+            for d in range(dim):
+                x0, x1, x2, x3 = widen(kb[t, d]), widen(kb[t + 1, d]), widen(kb[t + 2, d]), widen(kb[t + 3, d])
+                q0, q1 = q[h0 + g, d], q[h0 + g + 1, d]
+                a0 += q0 * x0
+                a1 += q1 * x0
+                b0 += q0 * x1
+                b1 += q1 * x1
+                c0 += q0 * x2
+                c1 += q1 * x2
+                e0 += q0 * x3
+                e1 += q1 * x3
+            scores[g, t], scores[g + 1, t] = a0, a1
+            scores[g, t + 1], scores[g + 1, t + 1] = b0, b1
+            scores[g, t + 2], scores[g + 1, t + 2] = c0, c1
+            scores[g, t + 3], scores[g + 1, t + 3] = e0, e1
+            block_max[g] = max(block_max[g], max(max(a0, b0), max(c0, e0)))
+            block_max[g + 1] = max(block_max[g + 1], max(max(a1, b1), max(c1, e1)))
+        for g in range(pairs, group):  # at most once (odd group): one head x four rows, 4 sums
+            a = b = c = e = np.float32(0.0)
+            for d in range(dim):
+                q0 = q[h0 + g, d]
+                a += q0 * widen(kb[t, d])
+                b += q0 * widen(kb[t + 1, d])
+                c += q0 * widen(kb[t + 2, d])
+                e += q0 * widen(kb[t + 3, d])
+            scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = a, b, c, e
+            block_max[g] = max(block_max[g], max(max(a, b), max(c, e)))
     for t in range(n4, n):
         _prefetch_row(k_cache, next_block + t * dim, step)
         for g in range(group):
@@ -271,11 +301,13 @@ def _softmax_update(scores, n, block_maxes, running_max, running_sum, acc):
 
 @njit(nogil=True, fastmath=FASTMATH)
 def _block_values(vb, n, scores, acc, v_cache, next_block):
-    """acc[g] += sum_t p[g, t] * v[t]: four query heads x four rows per pass, so each accumulator row is
-    loaded and stored once per four V rows instead of once per row."""
+    """acc[g] += sum_t p[g, t] * v[t], four V rows per pass, so each accumulator row is loaded and stored once
+    per four V rows instead of once per row: the group's heads in quads, then a pair (group 2 runs only this
+    one), then a single head, so that every widened V element feeds as many heads as the group has left. The
+    tail rows (n % 4) go one row at a time."""
     group, dim = acc.shape
     step = CACHE_LINE_BYTES // vb.itemsize
-    quads, n4 = group - group % 4, n - n % 4
+    quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
     for t in range(0, n4, 4):
         for r in range(4):
             _prefetch_row(v_cache, next_block + (t + r) * dim, step)
@@ -290,7 +322,14 @@ def _block_values(vb, n, scores, acc, v_cache, next_block):
                 acc[g + 1, d] += a1 * x0 + b1 * x1 + c1 * x2 + e1 * x3
                 acc[g + 2, d] += a2 * x0 + b2 * x1 + c2 * x2 + e2 * x3
                 acc[g + 3, d] += a3 * x0 + b3 * x1 + c3 * x2 + e3 * x3
-        for g in range(quads, group):
+        for g in range(quads, pairs, 2):  # at most once
+            a0, a1, b0, b1 = scores[g, t], scores[g + 1, t], scores[g, t + 1], scores[g + 1, t + 1]
+            c0, c1, e0, e1 = scores[g, t + 2], scores[g + 1, t + 2], scores[g, t + 3], scores[g + 1, t + 3]
+            for d in range(dim):
+                x0, x1, x2, x3 = widen(vb[t, d]), widen(vb[t + 1, d]), widen(vb[t + 2, d]), widen(vb[t + 3, d])
+                acc[g, d] += a0 * x0 + b0 * x1 + c0 * x2 + e0 * x3
+                acc[g + 1, d] += a1 * x0 + b1 * x1 + c1 * x2 + e1 * x3
+        for g in range(pairs, group):  # at most once (odd group)
             a, b, c, e = scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3]
             for d in range(dim):
                 acc[g, d] += a * widen(vb[t, d]) + b * widen(vb[t + 1, d]) + c * widen(vb[t + 2, d]) \
@@ -396,3 +435,96 @@ def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks,
         lse[b, hq] = _merge_splits(part_acc, part_max, part_sum, offsets[b] * num_kv_heads + h,
                                    offsets[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
     return 0
+
+
+# ---- a whole host-lane step: every layer as the device hands it over ----------------------------------------
+# Gates: int32 [2, num_layers] in pinned memory that the device reads and writes by DMA. gates[0, l] = 1 once the
+# device has put layer l's q/k/v into host memory; the loop sets gates[1, l] = 1 once layer l's output is there.
+@intrinsic
+def _load_acquire(typingctx, arr, index):
+    """arr[index] read atomically with acquire order: a flag another agent (the GPU's DMA) writes."""
+    if not (isinstance(arr, types.Array) and arr.dtype in (types.int32, types.int64)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        index_value = context.cast(builder, args[1], signature.args[1], types.intp)
+        pointer = builder.gep(array.data, [index_value])
+        return builder.load_atomic(pointer, "acquire", arr.dtype.bitwidth // 8)
+
+    return arr.dtype(arr, index), codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, index, value):
+    """arr[index] = value, atomically with release order: every write before it is visible first."""
+    if not (isinstance(arr, types.Array) and arr.dtype in (types.int32, types.int64)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        index_value = context.cast(builder, args[1], signature.args[1], types.intp)
+        stored = context.cast(builder, args[2], signature.args[2], arr.dtype)
+        builder.store_atomic(stored, builder.gep(array.data, [index_value]), "release", arr.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _store_new_rows(k_new, v_new, k_cache, v_cache, slots, batch):
+    """The step's one new token per row into its slot (-1: no token); bit patterns copied, never widened."""
+    block_size = k_cache.shape[2]
+    for b in range(batch):
+        slot = slots[b]
+        if slot >= 0:
+            block, offset = slot // block_size, slot % block_size
+            for h in range(k_cache.shape[1]):
+                for d in range(k_cache.shape[3]):
+                    k_cache[block, h, offset, d] = k_new[b, h, d]
+                    v_cache[block, h, offset, d] = v_new[b, h, d]
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _widen_query(q, batch, scale, wide):
+    for b in range(batch):
+        for h in range(q.shape[1]):
+            for d in range(q.shape[2]):
+                wide[b, h, d] = widen(q[b, h, d]) * scale
+
+
+@njit(nogil=True, cache=True)
+def decode_layers(gates, layer, pending, q, k_new, v_new, pools, slots, block_tables, context_lens, batch, scale,
+                  num_threads, out, lse):
+    """Layers `layer`.. of one host-lane decode step, each once the device has handed it over; returns the next
+    layer to run (num_layers when done, earlier when other executor work is waiting), or -code on an ERRORS code.
+
+    q [L, rows, Hq, D], k_new/v_new [L, rows, Hkv, D] in the caches' element type (rows >= batch, only the first
+    batch are read); pools [L, 2, num_blocks, Hkv, block_size, D] (K then V of each layer); slots int64 [batch];
+    block_tables/context_lens as decode_kernel's, with the new token counted; out float32 [L, rows, Hq, D]
+    (the device rounds it); lse float32 [batch, Hq] scratch. pending[0] > 0: another executor job is queued, so
+    the loop hands the thread back between layers, as the per-layer path did; pending[1] != 0: the lane abandoned the
+    step, stop waiting.
+    One call runs many layers without the GIL: in the per-layer path every layer took several GIL hand-offs on
+    two threads, each waiting behind the device lane's Python (issue 10's profile: ~90 ms of a 200 ms step).
+    On an error the remaining gates open, so the device's step still ends (its output is thrown away).
+    """
+    num_layers = q.shape[0]
+    wide = np.empty((batch, q.shape[2], q.shape[3]), np.float32)
+    while layer < num_layers:
+        while _load_acquire(gates[0], layer) == 0:
+            if _load_acquire(pending, 1) != 0:  # the lane gave up on this step (its device work failed)
+                return -3
+        _store_new_rows(k_new[layer], v_new[layer], pools[layer, 0], pools[layer, 1], slots, batch)
+        _widen_query(q[layer], batch, np.float32(scale), wide)
+        error = decode_kernel(wide, pools[layer, 0], pools[layer, 1], block_tables, context_lens, 0, num_threads,
+                              out[layer, :batch], lse)
+        if error:
+            for rest in range(layer, num_layers):
+                _store_release(gates[1], rest, 1)
+            return -error
+        _store_release(gates[1], layer, 1)
+        layer += 1
+        if _load_acquire(pending, 0) > 0:
+            break
+    return layer
