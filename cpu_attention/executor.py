@@ -6,17 +6,14 @@ thread-safe, but which one numba picks depends on the host). One worker serializ
 layer, and keeps a layer's K/V write ordered before the decode that reads it. The kernels release the GIL,
 so the engine's main thread keeps driving the GPU meanwhile.
 """
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 
 import numba
-import numpy as np
 import torch
 
 from cpu_attention.decode import CACHE_DTYPES, paged_decode_attention
 from cpu_attention.gather import gather_blocks, scatter_blocks
-from cpu_attention.layer_loop import warm_decode_layers
 from cpu_attention.store import PARALLEL_MIN_TOKENS, store_kvcache
 
 
@@ -42,32 +39,19 @@ class CpuAttentionExecutor:
         # would let the worker thread keep this object alive until shutdown.)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="cpu-attention",
                                         initializer=numba.set_num_threads, initargs=(num_threads,))
-        # pending[0]: jobs queued and not yet started. A whole host step (layer_loop.py) reads it between layers
-        # and hands the thread back when another job waits. pending[1] != 0 abandons a step waiting for its
-        # device. A numpy array, so the native loop reads it without the GIL; the lock keeps two submitting
-        # threads from losing a count.
-        self.pending = np.zeros(2, np.int64)
-        self._count_lock = threading.Lock()
-        self._warm = self.submit(_timed, warmup, dtypes) if warm else None
+        self._warm = self._pool.submit(_timed, warmup, dtypes) if warm else None
 
     def submit(self, fn, *args, **kwargs) -> Future:
-        with self._count_lock:
-            self.pending[0] += 1
-        return self._pool.submit(self._started, fn, args, kwargs)
-
-    def _started(self, fn, args, kwargs):
-        with self._count_lock:
-            self.pending[0] -= 1
-        return fn(*args, **kwargs)
+        return self._pool.submit(fn, *args, **kwargs)
 
     def warmup(self) -> float:
         """Blocks until the kernels are compiled (the constructor already started it when warm=True); returns
         the seconds the compile (or the load from numba's cache) took on the worker."""
-        return (self._warm or self.submit(_timed, warmup)).result()
+        return (self._warm or self._pool.submit(_timed, warmup)).result()
 
     def drain(self) -> None:
         """Blocks until every call submitted so far has run (they run in order on one thread)."""
-        self.submit(lambda: None).result()
+        self._pool.submit(lambda: None).result()
 
     def shutdown(self, wait: bool = True) -> None:
         self._pool.shutdown(wait=wait, cancel_futures=True)
@@ -101,6 +85,5 @@ def warmup(dtypes=CACHE_DTYPES, head_dim: int = 8, block_size: int = 4) -> None:
         q = torch.ones(1, 2, head_dim, dtype=dtype)
         paged_decode_attention(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 1.0)
-        warm_decode_layers(dtype, head_dim, block_size)
         gather_blocks(k_cache, torch.zeros(1, dtype=torch.int64), torch.empty_like(k_cache[:1]))
         scatter_blocks(torch.empty_like(k_cache[:1]), torch.zeros(1, dtype=torch.int64), k_cache)

@@ -156,11 +156,7 @@ class ModelRunner:
         whole = self.backend.name != "torch"
         graphs = {"device": make("device", -(-self.max_model_len // self.cfg.block_size) if whole else None)}
         if self.host_pool is not None:
-            from offload_engine.engine.host_step_graphs import HostStepGraphs
-
-            # Whole host steps, the host kernel gated in (host_step_graphs.py). Capture runs no host kernel.
-            graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
-                                            self.host_pool, self.executor, engine_stream(self.device, "capture-host"))
+            graphs["host"] = make("host", None)
         return graphs
 
     def close(self) -> None:
