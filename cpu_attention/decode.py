@@ -8,8 +8,9 @@ tensor; the caches must be contiguous because they are never copied.
 
 q is widened and scaled, and the float32 output rounded to q's dtype, in numpy, not in torch: both touch
 [B, Hq, D] only, but a torch CPU op of more than 32k elements on the executor's thread makes torch start an
-OpenMP team of its own there, whose threads then spin beside the kernel's. On the H100 host that made the
-kernel 1.3x slower with the device lane idle and 2.4x with it busy (benchmarks/NOTES.md). numpy's casts are
+OpenMP team of its own there, whose threads then spin beside the kernel's. On the H100 host the kernel took
+97 ms a step with the device lane idle and 285 ms with it busy; 81 and 89 ms with numpy (benchmarks/NOTES.md),
+with the GQA-group-2 pass of decode_kernel.py landed at the same time. numpy's casts are
 single-threaded; float16 rounds in numpy's own cast, bfloat16 by round-to-nearest-even on the bits.
 """
 import numba

@@ -434,4 +434,3 @@ def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks,
         lse[b, hq] = _merge_splits(part_acc, part_max, part_sum, offsets[b] * num_kv_heads + h,
                                    offsets[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
     return 0
-
