@@ -46,7 +46,9 @@ MIN_ITEM_TOKENS = 256  # below this, an item's cold start and its merge cost mor
 ERRORS = {
     1: "a context length is negative or longer than its block table row",
     2: "a block table entry inside a context is outside the cache (negative or >= num_blocks)",
+    3: "the step was abandoned before the device handed its layer over",
 }
+ABANDONED = 3
 
 
 # ---- widening 16-bit patterns to float32 -------------------------------------------------------------------
@@ -433,4 +435,92 @@ def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks,
         h, g = hq // group, hq % group
         lse[b, hq] = _merge_splits(part_acc, part_max, part_sum, offsets[b] * num_kv_heads + h,
                                    offsets[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
+    return 0
+
+
+# ---- a whole host-lane step: every layer as the device hands it over ----------------------------------------
+# Gates: int32 [2, num_layers] in pinned memory that the device reads and writes by DMA. gates[0, l] = 1 once the
+# device has put layer l's q/k/v into host memory; the loop sets gates[1, l] = 1 once layer l's output is there.
+@intrinsic
+def _load_acquire(typingctx, arr, index):
+    """arr[index] read atomically with acquire order: a flag another agent (the GPU's DMA) writes."""
+    if not (isinstance(arr, types.Array) and arr.dtype in (types.int32, types.int64)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        index_value = context.cast(builder, args[1], signature.args[1], types.intp)
+        pointer = builder.gep(array.data, [index_value])
+        return builder.load_atomic(pointer, "acquire", arr.dtype.bitwidth // 8)
+
+    return arr.dtype(arr, index), codegen
+
+
+@intrinsic
+def _store_release(typingctx, arr, index, value):
+    """arr[index] = value, atomically with release order: every write before it is visible first."""
+    if not (isinstance(arr, types.Array) and arr.dtype in (types.int32, types.int64)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        index_value = context.cast(builder, args[1], signature.args[1], types.intp)
+        stored = context.cast(builder, args[2], signature.args[2], arr.dtype)
+        builder.store_atomic(stored, builder.gep(array.data, [index_value]), "release", arr.dtype.bitwidth // 8)
+        return context.get_dummy_value()
+
+    return types.void(arr, index, value), codegen
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _store_new_rows(k_new, v_new, k_cache, v_cache, slots, batch):
+    """The step's one new token per row into its slot (-1: no token); bit patterns copied, never widened."""
+    block_size = k_cache.shape[2]
+    for b in range(batch):
+        slot = slots[b]
+        if slot >= 0:
+            block, offset = slot // block_size, slot % block_size
+            for h in range(k_cache.shape[1]):
+                for d in range(k_cache.shape[3]):
+                    k_cache[block, h, offset, d] = k_new[b, h, d]
+                    v_cache[block, h, offset, d] = v_new[b, h, d]
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _widen_query(q, batch, scale, wide):
+    for b in range(batch):
+        for h in range(q.shape[1]):
+            for d in range(q.shape[2]):
+                wide[b, h, d] = widen(q[b, h, d]) * scale
+
+
+@njit(nogil=True, cache=True)
+def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, context_lens, batch, scale, num_threads,
+                  out, lse):
+    """Every layer of one host-lane decode step, each once the device has handed it over; 0, or an ERRORS code.
+
+    q [L, rows, Hq, D], k_new/v_new [L, rows, Hkv, D] in the caches' element type (rows >= batch, only the first
+    batch are read); pools [L, 2, num_blocks, Hkv, block_size, D] (K then V of each layer); slots int64 [batch];
+    block_tables/context_lens as decode_kernel's, with the new token counted; out float32 [L, rows, Hq, D]
+    (the device rounds it); lse float32 [batch, Hq] scratch. flags int64 [2]: the loop sets flags[0] once it
+    runs (without the GIL); flags[1] != 0 from the lane abandons a step whose device never hands a layer over.
+    It never returns before its last gate is open (layer_loop.py says why). On an error the remaining gates
+    open, so the device's step still ends (its output is thrown away).
+    """
+    _store_release(flags, 0, 1)
+    num_layers = q.shape[0]
+    wide = np.empty((batch, q.shape[2], q.shape[3]), np.float32)
+    for layer in range(num_layers):
+        while _load_acquire(gates[0], layer) == 0:
+            if _load_acquire(flags, 1) != 0:
+                return ABANDONED
+        _store_new_rows(k_new[layer], v_new[layer], pools[layer, 0], pools[layer, 1], slots, batch)
+        _widen_query(q[layer], batch, np.float32(scale), wide)
+        error = decode_kernel(wide, pools[layer, 0], pools[layer, 1], block_tables, context_lens, 0, num_threads,
+                              out[layer, :batch], lse)
+        if error:
+            for rest in range(layer, num_layers):
+                _store_release(gates[1], rest, 1)
+            return error
+        _store_release(gates[1], layer, 1)
     return 0

@@ -14,6 +14,7 @@ import torch
 
 from cpu_attention.decode import CACHE_DTYPES, paged_decode_attention
 from cpu_attention.gather import gather_blocks, scatter_blocks
+from cpu_attention.layer_loop import warm_decode_layers
 from cpu_attention.store import PARALLEL_MIN_TOKENS, store_kvcache
 
 
@@ -85,5 +86,6 @@ def warmup(dtypes=CACHE_DTYPES, head_dim: int = 8, block_size: int = 4) -> None:
         q = torch.ones(1, 2, head_dim, dtype=dtype)
         paged_decode_attention(q, k_cache, v_cache, torch.zeros(1, 1, dtype=torch.int32),
                                torch.ones(1, dtype=torch.int32), 1.0)
+        warm_decode_layers(dtype, head_dim, block_size)
         gather_blocks(k_cache, torch.zeros(1, dtype=torch.int64), torch.empty_like(k_cache[:1]))
         scatter_blocks(torch.empty_like(k_cache[:1]), torch.zeros(1, dtype=torch.int64), k_cache)

@@ -58,6 +58,9 @@ class HostKVPool:
         flat = torch.frombuffer(memory, dtype=dtype)  # the tensors keep the mapping alive, not this object
         views = [flat[i * per_tensor : (i + 1) * per_tensor].view(shape) for i in range(2 * num_layers)]
         self.layers = list(zip(views[0::2], views[1::2]))
+        # The same memory as one [L, 2, blocks, Hkv, block_size, D] tensor: a whole host step's kernel
+        # (layer_loop.py) takes every layer's K and V in one argument.
+        self.stacked = flat.view(num_layers, 2, *shape)
         self.nbytes = 2 * num_layers * per_tensor * dtype.itemsize
         self._pinning = None
         if pin_device is not None and self.nbytes:
@@ -79,7 +82,7 @@ class HostKVPool:
     def close(self) -> None:
         """Unpins now (idempotent); the memory goes once nothing else holds a view of it."""
         self._finalizer()
-        self.layers = []
+        self.layers, self.stacked = [], None
 
 
 def _unpin(pinning, _flat) -> None:

@@ -11,7 +11,9 @@ Sequences move between the lanes (engine/placement.py decides): a device-tier se
 has no room for is demoted into the host lane, and host-tier sequences that are not in flight are promoted
 into freed device room before new requests take it, so the device lane stays as full as under "gpu" and
 never idles while the host lane decodes the tail of a batch. Host sequences that room is about to free up
-for sit out the next host step (Scheduler.promotion_hold_back), so they are at hand when it does. Both
+for sit out the next host step (Scheduler.promotion_hold_back), so they are at hand when it does, except
+where a host step holds the executor from start to end (CUDA: engine/host_step_graphs.py); there promotions
+happen between host steps. Both
 lanes' step times feed LaneStats, which placement's cost check predicts from.
 """
 import time
@@ -82,7 +84,10 @@ class LLMEngine:
         finished, num_tokens = self._take_host_step(wait=False)
         # Host-tier sequences take freed device room before new requests do, as "gpu" re-admits its
         # preempted sequences first (engine/placement.py).
-        moves = self.scheduler.schedule_promotions()
+        # A whole-step host loop holds the executor, which does promotions' reads, until its step is back:
+        # promote between host steps then, rather than have this thread wait on the executor for it.
+        between_host_steps = self.in_flight is None or not self.runner.host_step_holds_executor
+        moves = self.scheduler.schedule_promotions() if between_host_steps else []
         if moves:
             self.runner.promote(moves)
         batch = self.scheduler.schedule_prefill()
@@ -91,9 +96,11 @@ class LLMEngine:
             num_tokens = sum(s.num_scheduled_tokens for s in batch)
             return StepStats(True, num_tokens, time.perf_counter() - start, finished)
         if self.in_flight is None:
+            # Holding sequences back for a promotion mid-step helps only where promotions can happen mid-step.
             horizon = self.host_step_seconds / max(self.device_step_seconds, 1e-4) + 1
-            self._start_host_step(self.scheduler.schedule_decode(
-                BlockLocation.CPU, hold_back=self.scheduler.promotion_hold_back(horizon)))
+            hold_back = (frozenset() if self.runner.host_step_holds_executor
+                         else self.scheduler.promotion_hold_back(horizon))
+            self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU, hold_back=hold_back))
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
         demoted = self.scheduler.take_demotions()
         if demoted:

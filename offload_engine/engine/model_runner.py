@@ -143,7 +143,8 @@ class ModelRunner:
             layer.backend, layer.executor, layer.ring = self.backend, self.executor, self.ring
 
     def _capture_decode_graphs(self) -> dict:
-        """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (piecewise)."""
+        """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (whole steps whose
+        attention the host kernel does between gates: host_step_graphs.py)."""
         if self.device.type != "cuda" or self.cfg.enforce_eager:
             return {}
         from offload_engine.engine.cuda_graphs import DecodeGraphs
@@ -156,8 +157,22 @@ class ModelRunner:
         whole = self.backend.name != "torch"
         graphs = {"device": make("device", -(-self.max_model_len // self.cfg.block_size) if whole else None)}
         if self.host_pool is not None:
-            graphs["host"] = make("host", None)
+            from offload_engine.engine.hardware_queues import warn_if_narrow
+            from offload_engine.engine.host_step_graphs import HostStepGraphs
+
+            warn_if_narrow()
+            # Whole host steps, the host kernel gated in (host_step_graphs.py). Capture runs no host kernel.
+            graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
+                                            self.host_pool, self.executor, engine_stream(self.device, "capture-host"))
         return graphs
+
+    @property
+    def host_step_holds_executor(self) -> bool:
+        """True when a host-lane step is one native loop on the executor from its start to its end
+        (host_step_graphs.py): nothing else the executor runs gets in between, promotions' reads included."""
+        from offload_engine.engine.host_step_graphs import HostStepGraphs
+
+        return isinstance(self.decode_graphs.get("host"), HostStepGraphs)
 
     def close(self) -> None:
         """Releases everything the runner holds, in dependency order; safe on a half-made runner and twice.

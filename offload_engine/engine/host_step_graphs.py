@@ -1,0 +1,116 @@
+"""Whole-step CUDA graphs for the host lane: the device and the host kernel hand layers to each other by gates.
+
+The piecewise graphs (cuda_graphs.py) left attention to Python between the segments: per layer the host-lane
+thread copied q/k/v, queued a job, waited for it and copied the result back, and the executor thread woke,
+waited and ran two kernels. Each of those steps took the GIL again, and with the device lane running Python on
+the engine's thread every one of them queued behind it: 200 ms a step of 32 rows x 1k tokens, of which the
+kernels took 90 (H100 host, 2026-11-22). Here one graph per batch size holds the whole step. Per layer it copies
+q and the new K/V into pinned buffers, opens the layer's gate 0 and waits on its gate 1 (stream_gates.py),
+then brings the output back; `decode_layers` on the executor waits on gate 0, stores and attends, writes the
+output and opens gate 1 (cpu_attention/layer_loop.py, which also says why the graph is launched only once
+the loop runs). A step takes the GIL twice: to replay and to collect.
+
+Rows beyond the batch (a batch of 37 runs in the 48 graph) compute on stale inputs: the kernel reads only the
+batch's rows and their outputs are never read, as in the piecewise graphs.
+"""
+import torch
+
+from cpu_attention.layer_loop import LayerLoop, check_step
+from offload_engine.engine.cuda_graphs import batch_buckets
+from offload_engine.engine.stream_gates import open_gate, wait_gate
+
+STEP_TIMEOUT_S = 600.0  # a step that long has lost its device: give up on it rather than hang
+
+
+class HostStepGraphs:
+    def __init__(self, model, max_num_seqs: int, dtype: torch.dtype, device: torch.device, host_pool, executor,
+                 capture_stream: torch.cuda.Stream):
+        self.model, self.executor, self.pools = model, executor, host_pool.stacked
+        inner = model.model
+        attn = model.attention_layers()[0]
+        self.num_layers, self.scale = len(inner.layers), attn.scale
+        heads, kv_heads, head_dim = attn.num_heads, attn.num_kv_heads, attn.head_dim
+        self.buckets = batch_buckets(max_num_seqs)
+        largest, layers = self.buckets[-1], self.num_layers
+        self.token_ids = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
+        self.attn_out = torch.zeros(largest, heads, head_dim, dtype=dtype, device=device)
+        self.out_device = torch.zeros(largest, heads, head_dim, dtype=torch.float32, device=device)
+        # What crosses to the host and back, for every layer at once: the graph's copies have fixed addresses.
+        pinned = lambda shape, dt: torch.zeros(shape, dtype=dt).pin_memory()
+        self.q_host = pinned((layers, largest, heads, head_dim), dtype)
+        self.k_host = pinned((layers, largest, kv_heads, head_dim), dtype)
+        self.v_host = pinned((layers, largest, kv_heads, head_dim), dtype)
+        self.out_host = pinned((layers, largest, heads, head_dim), torch.float32)  # rounded on the device
+        self.gates = pinned((2, layers), torch.int32)
+        self.gates_np = self.gates.numpy()
+        self.capture_stream, self.pool = capture_stream, None
+        self.whole: dict[int, tuple] = {}
+        for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
+            self._capture(size)
+
+    def _step(self, size: int, gated: bool) -> torch.Tensor:
+        """The step's device work for `size` rows; gated=False (the warm-up) leaves the host out."""
+        inner = self.model.model
+        positions, attn_out, out_device = self.positions[:size], self.attn_out[:size], self.out_device[:size]
+        q, k, v, residual = inner.begin(self.token_ids[:size], positions)
+        for layer in range(self.num_layers):
+            if gated:
+                self.q_host[layer, :size].copy_(q, non_blocking=True)
+                self.k_host[layer, :size].copy_(k, non_blocking=True)
+                self.v_host[layer, :size].copy_(v, non_blocking=True)
+                open_gate(self._gate(0, layer))
+                wait_gate(self._gate(1, layer))
+                out_device.copy_(self.out_host[layer, :size], non_blocking=True)
+            attn_out.copy_(out_device)
+            if layer + 1 < self.num_layers:
+                q, k, v, residual = inner.between(layer + 1, positions, attn_out, residual)
+        return self.model.compute_logits(inner.end(attn_out, residual))
+
+    def _gate(self, which: int, layer: int) -> int:
+        return self.gates.data_ptr() + self.gates.element_size() * (which * self.num_layers + layer)
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> None:
+        self._step(size, gated=False)  # warm up outside the graph: lazy inits and autotuning must not be captured
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+            logits = self._step(size, gated=True)
+        self.pool = graph.pool()
+        torch.cuda.synchronize()
+        self.whole[size] = (graph, logits)
+
+    def release(self) -> None:
+        for graph, _ in self.whole.values():
+            graph.reset()
+        self.whole, self.pool = {}, None
+
+    def fits(self, batch: int, meta) -> bool:
+        """Host-tier rows only (the host lane never has others), at most the largest bucket."""
+        return batch <= self.buckets[-1] and not meta.has_gpu_rows
+
+    @torch.inference_mode()
+    def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
+        """One decode step of the host lane: logits [B, vocab]. The kernels' seconds go to meta.host_kernel_seconds."""
+        batch = token_ids.shape[0]
+        size = next(b for b in self.buckets if b >= batch)
+        slots, tables, lens = (t.numpy() for t in (meta.slot_mapping_cpu, meta.block_tables_cpu,
+                                                    meta.context_lens_cpu))
+        check_step(self.pools, slots, tables, lens)  # before anything is queued
+        self.token_ids[:batch].copy_(token_ids)
+        self.positions[:batch].copy_(positions)
+        self.gates_np.fill(0)  # the last step's graph and loop are both done: its sampler synced, its loop returned
+        graph, logits = self.whole[size]
+        loop = LayerLoop(self.executor, self.gates_np, self.q_host, self.k_host, self.v_host, self.pools, slots,
+                         tables, lens, batch, self.scale, self.out_host.numpy())
+        loop.wait_running()  # the graph waits on the loop's gates: launch it only once the loop needs no GIL
+        if loop.done.done():
+            loop.result()  # it failed before it ran: raise that, with nothing launched
+        graph.replay()
+        try:
+            meta.host_kernel_seconds.append(loop.result(timeout=STEP_TIMEOUT_S))
+        except TimeoutError:
+            loop.abandon()
+            raise RuntimeError(f"the host lane's step did not finish in {STEP_TIMEOUT_S:.0f} s: the device never "
+                               "handed its layers over") from None
+        return logits[:batch]
