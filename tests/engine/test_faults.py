@@ -10,6 +10,7 @@ import time
 import pytest
 
 import cpu_attention
+from cpu_attention import layer_loop
 from offload_engine import LLM, SamplingParams
 from offload_engine.engine.sequence import BlockLocation
 from tests.conftest import TEST_DEVICE
@@ -55,12 +56,15 @@ def _assert_idle_and_usable(llm: LLM, model_dir: str) -> None:
 
 def test_host_kernel_error_comes_out_of_generate(qwen3_dir, monkeypatch):
     llm = _engine(qwen3_dir)
-    kernel = cpu_attention.paged_decode_attention
+    kernel, loop = cpu_attention.paged_decode_attention, layer_loop.decode_layers
+    # The kernel per layer on CPU; on CUDA the host lane's whole steps call decode_layers once a step.
     monkeypatch.setattr(cpu_attention, "paged_decode_attention",
                         _fails_on_call(kernel, 7, RuntimeError("injected host kernel fault")))
+    monkeypatch.setattr(layer_loop, "decode_layers", _fails_on_call(loop, 2, RuntimeError("injected host kernel fault")))
     with pytest.raises(RuntimeError, match="injected host kernel fault"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.setattr(cpu_attention, "paged_decode_attention", kernel)
+    monkeypatch.setattr(layer_loop, "decode_layers", loop)
     _assert_idle_and_usable(llm, qwen3_dir)
     llm.close()
 
