@@ -11,8 +11,9 @@
     the host pool is full too.
   - Promotion: when device room frees, host sequences move back up, oldest first, before new requests are
     admitted (as "gpu" re-admits its preempted sequences first).
-  - The cost check: a sequence joins the host lane only when that is predicted to add throughput
-    (`host_lane_pays`), otherwise it waits (or is recomputed) as under "gpu".
+  - The cost check: a waiting sequence joins the host lane only when that is predicted to add throughput
+    (`host_lane_pays`), otherwise it waits as under "gpu". Demotion has no check: its alternative is a
+    recompute, not a wait (`demotes`).
   - A sequence larger than the whole device pool can only live on the host tier.
 """
 from collections.abc import Iterable, Iterator
@@ -50,16 +51,17 @@ def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[
     return None
 
 
-def demotes(victim: Sequence, policy: str, blocks: BlockManager, running: list[Sequence],
-            stats: LaneStats | None, waiting: Iterable[Sequence] = ()) -> bool:
-    """Whether a device sequence that must give up its blocks moves to the host tier (else: recomputed).
-    `waiting`: requests refused admission so far, which would join the host lane behind it."""
+def demotes(victim: Sequence, policy: str, blocks: BlockManager) -> bool:
+    """Whether a device sequence that must give up its blocks moves to the host tier (else: recomputed):
+    under "auto", whenever the host pool has room for it. No cost check here: the alternative is not waiting
+    but recomputing its whole context on the device. When the check also ruled on demotions it refused ~20
+    of ~45 in the decode-heavy run while the host lane was idle (a measured slowdown of 1.07-1.10 against
+    one row's rate), and the recomputes cost more than the lane's wake-up: auto/gpu 0.91-1.07 over five runs
+    with 19-21 recomputes, 1.05 in both runs without (H100 host, 2026-11-22, benchmarks/NOTES.md)."""
     if policy != "auto":
         return False
     host = blocks.pool(CPU)
-    if host.blocks_for(len(victim)) > host.num_free:
-        return False
-    return _checked("demote", host_lane_pays(victim, running, stats, joining=waiting), stats)
+    return host.blocks_for(len(victim)) <= host.num_free
 
 
 def _checked(kind: str, pays: bool, stats: LaneStats | None) -> bool:

@@ -140,8 +140,7 @@ class Scheduler:
     def _make_room(self, victim: Sequence) -> None:
         """Frees a decoding sequence's blocks on its tier: demoted to the host tier where placement says so,
         else preempted."""
-        if victim.location == BlockLocation.GPU and demotes(victim, self.kv_placement, self.blocks, self.running,
-                                                             self.stats, self._could_join()):
+        if victim.location == BlockLocation.GPU and demotes(victim, self.kv_placement, self.blocks):
             self.demotions.append((victim, self.blocks.move(victim, BlockLocation.CPU)))
             victim.demoted = True
             self.num_demotions += 1

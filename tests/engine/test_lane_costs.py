@@ -84,9 +84,11 @@ def test_starting_the_lane_must_beat_what_it_costs_the_device_lane():
 
 
 @pytest.mark.real_cost_check
-def test_engine_keeps_overflow_off_a_host_lane_that_would_cost_more_than_it_adds(qwen3_dir):
-    """As measured here the host lane is slow (1 s a step) and halves the device lane's speed: "auto" then
-    behaves as "gpu" does, requests wait for device room and overflow is recomputed, and stays exact."""
+def test_overflow_is_demoted_even_where_the_host_lane_costs_more_than_it_adds(qwen3_dir):
+    """As measured here the host lane is slow (1 s a step) and halves the device lane's speed, so the cost check
+    keeps waiting requests off the idle lane (test_starting_the_lane_must_beat_what_it_costs_the_device_lane). Overflow
+    during decode is still demoted, not recomputed, while the host pool has room: the alternative to a demotion
+    is a recompute, not a wait (placement.demotes). Output stays exact."""
     from offload_engine import LLM
     from tests.conftest import TEST_DEVICE
     from tests.oracle import hf_greedy, random_prompts
@@ -101,8 +103,8 @@ def test_engine_keeps_overflow_off_a_host_lane_that_would_cost_more_than_it_adds
         stats.device_step_done(rows=4, seconds=0.02, host_busy=True)
     prompts = random_prompts((30, 31, 29, 30, 33, 20), 256, seed=103)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
-    assert {o.kv_location for o in outputs} == {"gpu"} and not any(o.kv_demoted for o in outputs)
-    assert llm.engine.scheduler.num_preemptions >= 1 and llm.engine.scheduler.num_demotions == 0
+    assert stats.checks[("admit", False)] >= 1  # the idle lane was not woken for a waiting request
+    assert llm.engine.scheduler.num_demotions >= 1 and llm.engine.scheduler.num_preemptions == 0
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 20)):
         assert output.token_ids[: len(ref)] == ref
     llm.close()
