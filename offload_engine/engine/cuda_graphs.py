@@ -10,12 +10,14 @@ the same shapes, replayed for a few microseconds each.
 
 When no row of the step is on the host tier, attention needs no host work, so an instance made with
 `max_blocks_per_seq` captures whole steps, attention included (its maps live in static buffers sized for
-max_model_len). The engine keeps one instance per decode lane (engine/llm_engine.py): whole-step graphs for
-the device tier, piecewise graphs for the host tier, each with its own static inputs and memory pool, so
-the two lanes can be in flight at once. Each instance also captures on a CUDA stream of its own: cuBLAS
-workspaces are keyed by the stream a matmul ran on, and torch captures every graph on one shared stream by
-default, so both lanes' graphs would have baked in the same workspace and, replayed at once on the two
-lanes' streams, written over each other's partial products (seen on the H100: wrong host-lane tokens).
+max_model_len). The engine keeps one instance for the device lane (whole steps where the attention backend
+allows, piecewise for the torch backend); the host lane has whole-step graphs of its own whose attention
+the host kernel does between gates (engine/host_step_graphs.py). Each lane's graphs have their own static
+inputs and memory pool, so the two lanes can be in flight at once, and each captures on a CUDA stream of
+its own: cuBLAS workspaces are keyed by the stream a matmul ran on, and torch captures every graph on one
+shared stream by default, so both lanes' graphs would have baked in the same workspace and, replayed at once
+on the two lanes' streams, written over each other's partial products (seen on the H100: wrong host-lane
+tokens).
 Padding rows
 (a batch of 37 runs in the 48 bucket) compute on stale inputs and are never read: every op outside attention
 is row-wise in decode, and padded rows get slot -1 and context 0, so they write and read no KV.
