@@ -48,9 +48,14 @@ def timed_runs(llm: LLM) -> list[dict]:
         busy = engine.in_flight is not None
         wall, cpu = time.perf_counter(), time.thread_time()
         tokens = run(seqs, is_prefill, lane)
-        records.append({"lane": lane, "prefill": is_prefill, "batch": len(seqs), "host_busy": busy,
-                        "wall_ms": 1e3 * (time.perf_counter() - wall), "cpu_ms": 1e3 * (time.thread_time() - cpu),
-                        "thread": threading.current_thread().name})
+        record = {"lane": lane, "prefill": is_prefill, "batch": len(seqs), "host_busy": busy,
+                  "wall_ms": 1e3 * (time.perf_counter() - wall), "cpu_ms": 1e3 * (time.thread_time() - cpu),
+                  "thread": threading.current_thread().name}
+        if lane == "host":  # the loop's own split of its step (whole-step host graphs only)
+            record["host_work_ms"] = 1e3 * engine.runner.host_kernel_seconds["host"]
+            graphs = engine.runner.decode_graphs.get("host")
+            record["device_wait_ms"] = 1e3 * getattr(graphs, "last_device_wait_seconds", float("nan"))
+        records.append(record)
         return tokens
 
     engine.runner.run = timed
@@ -68,7 +73,8 @@ def summarize(records: list[dict], batch: int) -> dict:
     return {"device_steps_idle": len(idle), "device_steps_busy": len(busy),
             "device_step_ms_idle": median(idle, "wall_ms"), "device_step_ms_busy": median(busy, "wall_ms"),
             "device_cpu_ms_idle": median(idle, "cpu_ms"), "device_cpu_ms_busy": median(busy, "cpu_ms"),
-            "host_steps": len(host), "host_step_ms": median(host, "wall_ms"), "host_cpu_ms": median(host, "cpu_ms")}
+            "host_steps": len(host), "host_step_ms": median(host, "wall_ms"), "host_cpu_ms": median(host, "cpu_ms"),
+            "host_work_ms": median(host, "host_work_ms"), "host_device_wait_ms": median(host, "device_wait_ms")}
 
 
 def run_case(path: str, args, with_host: bool) -> dict:
@@ -104,10 +110,17 @@ def main() -> None:
     parser.add_argument("--output", type=int, default=384)
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=10.0)
     parser.add_argument("--label", default="current", help="what code this measures (before/after a change)")
+    parser.add_argument("--host-priority", type=int, default=None,
+                        help="the host lane's CUDA stream priority for this run (lower is more urgent; the engine's "
+                             "is engine/cuda_streams.PRIORITIES['host'])")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     path = model_dir(args.model, args.model_cache)
+    if args.host_priority is not None:  # before the first engine makes the process's streams
+        from offload_engine.engine import cuda_streams
+
+        cuda_streams.PRIORITIES["host"] = cuda_streams.PRIORITIES["capture-host"] = args.host_priority
     result = {"label": args.label, "model": args.model, "device": device_slug(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "host_cores": os.cpu_count(), "config": vars(args),
               "switch_interval_s": __import__("sys").getswitchinterval()}
@@ -121,7 +134,9 @@ def main() -> None:
         json.dump(result, f, indent=2)
     print(json.dumps({k: result[k] for k in ("idle", "busy")}, indent=1))
     print(f"[{args.label}] device step at batch {args.device_seqs}: {idle:.2f} ms host lane idle, {busy:.2f} ms "
-          f"busy = {result['slowdown']:.3f}x; host step {result['busy']['host_step_ms']:.1f} ms")
+          f"busy = {result['slowdown']:.3f}x; host step {result['busy']['host_step_ms']:.1f} ms "
+          f"(host work {result['busy']['host_work_ms']:.1f}, waits for the device "
+          f"{result['busy']['host_device_wait_ms']:.1f})")
 
 
 if __name__ == "__main__":

@@ -18,7 +18,19 @@ from concurrent.futures import Future
 import numpy as np
 
 from cpu_attention.decode import kernel_view
-from cpu_attention.decode_kernel import ABANDONED, ERRORS, _check_tables, decode_layers
+from cpu_attention.decode_kernel import ABANDONED, ERRORS, _check_tables, cycles, decode_layers
+
+_cycle_hz: list[float] = []  # the cycle counter's rate, measured once per process
+
+
+def cycle_hz() -> float:
+    """Cycles per second of decode_kernel's cycle counter, against perf_counter over ~20 ms."""
+    if not _cycle_hz:
+        c0, t0 = cycles(), time.perf_counter()
+        time.sleep(0.02)
+        c1, t1 = cycles(), time.perf_counter()
+        _cycle_hz.append(max(c1 - c0, 1) / (t1 - t0))
+    return _cycle_hz[0]
 
 
 def check_step(pools, slots: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray) -> None:
@@ -42,12 +54,14 @@ class LayerLoop:
                  block_tables: np.ndarray, context_lens: np.ndarray, batch: int, scale: float, out: np.ndarray):
         # flags[0]: the loop sets it once it runs without the GIL; flags[1]: the lane sets it to abandon the step.
         self.flags = np.zeros(2, np.int64)
+        self.times = np.zeros((q.shape[0] + 1, 2), np.int64)  # cycles: entry, then per layer handed over / done
         self.done: Future = Future()  # the seconds the loop took (its waits for the device included), or the error
         self._started = threading.Event()
         arrays = [kernel_view(t) for t in (q, k_new, v_new, pools)]
         lse = np.empty((batch, q.shape[2]), np.float32)
+        cycle_hz()  # measured here, not on the executor while the device waits
         executor.submit(self._run, gates, *arrays, slots, block_tables, context_lens, batch, scale,
-                        executor.num_threads, out, lse)
+                        executor.num_threads, out, lse, self.times)
 
     def _run(self, gates, *args) -> None:
         began = time.perf_counter()
@@ -75,6 +89,17 @@ class LayerLoop:
     def result(self, timeout: float | None = None) -> float:
         return self.done.result(timeout)
 
+    def split_seconds(self) -> tuple[float, float]:
+        """(host work, waits for the device) of a finished step: the seconds between each layer's gate 0
+        opening and its gate 1 opening (stores, kernel, output), and the seconds from the entry or the last
+        layer's end until the next layer's gate 0 opened (the device's turnaround: its copies, gates and the
+        rows' device-side layers, queued among the device lane's work)."""
+        done = self.times[1:, 1] > 0
+        starts, ends = self.times[1:, 0][done], self.times[1:, 1][done]
+        previous_ends = self.times[:-1, 1][done]
+        hz = cycle_hz()
+        return float((ends - starts).sum()) / hz, float((starts - previous_ends).sum()) / hz
+
     def abandon(self) -> None:
         """Stops the loop's wait for a device that will not hand its layers over (a failed or lost graph)."""
         self.flags[1] = 1
@@ -91,4 +116,5 @@ def warm_decode_layers(dtype, head_dim: int = 8, block_size: int = 4) -> None:
     arrays = [kernel_view(t) for t in (q, new, new.clone(), pools)]
     decode_layers(gates, np.zeros(2, np.int64), *arrays, np.zeros(1, np.int64), np.zeros((1, 1), np.int32),
                   np.ones(1, np.int32), 1, 1.0, 1, np.empty((1, 1, 2, head_dim), np.float32),
-                  np.empty((1, 2), np.float32))
+                  np.empty((1, 2), np.float32), np.zeros((2, 2), np.int64))
+    cycle_hz()

@@ -45,6 +45,7 @@ class HostStepGraphs:
         self.gates = pinned((2, layers), torch.int32)
         self.gates_np = self.gates.numpy()
         self.capture_stream, self.pool = capture_stream, None
+        self.last_device_wait_seconds = 0.0
         self.whole: dict[int, tuple] = {}
         for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
             self._capture(size)
@@ -91,7 +92,8 @@ class HostStepGraphs:
 
     @torch.inference_mode()
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
-        """One decode step of the host lane: logits [B, vocab]. The kernels' seconds go to meta.host_kernel_seconds."""
+        """One decode step of the host lane: logits [B, vocab]. The seconds the host worked on its layers (not
+        its waits for the device) go to meta.host_kernel_seconds."""
         batch = token_ids.shape[0]
         size = next(b for b in self.buckets if b >= batch)
         slots, tables, lens = (t.numpy() for t in (meta.slot_mapping_cpu, meta.block_tables_cpu,
@@ -108,9 +110,13 @@ class HostStepGraphs:
             loop.result()  # it failed before it ran: raise that, with nothing launched
         graph.replay()
         try:
-            meta.host_kernel_seconds.append(loop.result(timeout=STEP_TIMEOUT_S))
+            loop.result(timeout=STEP_TIMEOUT_S)
         except TimeoutError:
             loop.abandon()
             raise RuntimeError(f"the host lane's step did not finish in {STEP_TIMEOUT_S:.0f} s: the device never "
                                "handed its layers over") from None
+        work, waits = loop.split_seconds()
+        meta.host_kernel_seconds.append(work)
+        self.last_device_wait_seconds = waits  # profiling: how long the loop waited for the device's layers
+        self.last_times = loop.times
         return logits[:batch]

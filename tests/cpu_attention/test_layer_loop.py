@@ -53,10 +53,12 @@ def make_step(dtype, seed=0):
     return pools, q, k_new, v_new, slots, tables.numpy(), np.asarray(LENS, np.int32), refs
 
 
-def device_stand_in(gates, interleave=None):
-    """Opens gate 0 of each layer in turn, waiting for the loop's gate 1 first, as the step's graph does."""
+def device_stand_in(gates, interleave=None, layer_seconds=0.0):
+    """Opens gate 0 of each layer in turn, waiting for the loop's gate 1 first, as the step's graph does;
+    layer_seconds: how long the device takes over each layer's own work before it hands the layer over."""
     def run():
         for layer in range(gates.shape[1]):
+            time.sleep(layer_seconds)
             gates[0, layer] = 1
             if interleave is not None and layer == 0:
                 interleave()
@@ -92,6 +94,23 @@ def test_every_layer_matches_reference_and_stores_its_token(executor, dtype):
             block, offset = divmod(int(slots[b]), BLOCK)
             assert torch.equal(pools[layer, 0, block, :, offset], k_new[layer, b])
             assert torch.equal(pools[layer, 1, block, :, offset], v_new[layer, b])
+
+
+def test_step_time_splits_into_host_work_and_waits_for_the_device(executor):
+    """The loop times itself from inside the native call: waits for the device's layers apart from its own
+    work. A stand-in device that takes 30 ms over each layer must show up as waits, not as host work."""
+    pools, q, k_new, v_new, slots, tables, lens, _ = make_step(torch.float32)
+    gates = np.zeros((2, NUM_LAYERS), np.int32)
+    out = np.empty((NUM_LAYERS, q.shape[1], q.shape[2], HEAD_DIM), np.float32)
+    loop = LayerLoop(executor, gates, q, k_new, v_new, pools, slots, tables, lens, len(LENS), 1.0, out)
+    loop.wait_running()
+    device = device_stand_in(gates, layer_seconds=0.03)
+    total = loop.result(timeout=60)
+    device.join()
+    work, waits = loop.split_seconds()
+    assert 0 < work < 0.03 * NUM_LAYERS / 2
+    assert 0.03 * NUM_LAYERS * 0.9 < waits <= total * 1.01
+    assert work + waits == pytest.approx(total, rel=0.05, abs=2e-3)
 
 
 def test_bad_maps_are_refused_before_any_work():

@@ -1,0 +1,55 @@
+"""Where auto's time goes against gpu's on the decode-heavy 0.6B workload, 32 x (1024 + 1024) at 1,024 device
+blocks: per device-lane step its kind, batch and time; promote and demote time; waits for the host lane. Prints
+totals, the median device step time per batch size, and the mean batch over ten slices of the run.
+
+    python -m benchmarks.profile_timeline {gpu,auto}      # writes $OUT/timeline_<placement>.json
+"""
+import collections, json, os, sys, time, statistics
+from benchmarks.bench_throughput import model_dir
+from benchmarks.engine_run import measure, random_prompts
+from offload_engine.engine import model_runner, llm_engine
+
+spent = collections.Counter(); count = collections.Counter(); steps = []
+def timed(owner, name, key):
+    original = getattr(owner, name)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try: return original(*a, **k)
+        finally: spent[key] += time.perf_counter() - t; count[key] += 1
+    setattr(owner, name, wrapper)
+timed(model_runner.ModelRunner, "promote", "promote")
+timed(model_runner.ModelRunner, "demote", "demote")
+orig_take = llm_engine.LLMEngine._take_host_step
+def take(self, wait):
+    t = time.perf_counter()
+    try: return orig_take(self, wait)
+    finally:
+        if wait: spent["wait_host"] += time.perf_counter() - t; count["wait_host"] += 1
+llm_engine.LLMEngine._take_host_step = take
+orig_run = model_runner.ModelRunner.run
+def run(self, seqs, is_prefill, lane="device"):
+    t = time.perf_counter()
+    try: return orig_run(self, seqs, is_prefill, lane)
+    finally:
+        if lane == "device":
+            steps.append((time.perf_counter(), is_prefill, len(seqs), time.perf_counter() - t,
+                          sum(s.num_scheduled_tokens for s in seqs) if is_prefill else 0))
+model_runner.ModelRunner.run = run
+placement = sys.argv[1]
+t0 = time.perf_counter()
+r = measure(model_dir("qwen3-0.6b", "/tmp/offload_engine_models"), random_prompts([1024] * 32, 10000), [1024] * 32,
+            kv_placement=placement, num_gpu_blocks=1024, max_num_seqs=256)
+dec = [s for s in steps if not s[1]]; pre = [s for s in steps if s[1]]
+by_batch = collections.defaultdict(list)
+for s in dec: by_batch[s[2]].append(s[3])
+summary = {"placement": placement, "tok_s": r["output_tok_per_s"], "decoded_by_lane": r.get("decoded_by_lane"),
+           "decode_steps": len(dec), "decode_s": sum(s[3] for s in dec), "mean_batch": statistics.mean(s[2] for s in dec),
+           "prefill_steps": len(pre), "prefill_s": sum(s[3] for s in pre), "prefill_tokens": sum(s[4] for s in pre),
+           "spent": dict(spent), "count": dict(count),
+           "step_ms_by_batch": {b: round(1e3 * statistics.median(v), 2) for b, v in sorted(by_batch.items()) if len(v) > 20},
+           "steps_by_batch": {b: len(v) for b, v in sorted(by_batch.items())}}
+# device batch over time in 10 slices of the decode steps
+n = len(dec); summary["batch_deciles"] = [round(statistics.mean(s[2] for s in dec[i * n // 10:(i + 1) * n // 10]), 1) for i in range(10)]
+print(json.dumps(summary))
+with open(os.path.join(os.environ.get("OUT", "."), f"timeline_{placement}.json"), "w") as f:
+    json.dump({"summary": summary, "result": r}, f, indent=1)
