@@ -18,10 +18,17 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **
     llm = LLM(model_dir, **llm_kwargs)
     startup = time.perf_counter() - start
     vocab = llm.model_config.vocab_size
-    # Warm up kernels and graphs on a prompt that shares no prefix with the measured ones: a cached prefix
-    # would change what is measured.
-    llm.generate([[vocab - 1] * min(len(prompts[0]), 64)], SamplingParams(max_tokens=4, ignore_eos=True),
-                 use_tqdm=False)
+    # Warm up kernels and graphs on prompts that share no prefix with the measured ones (a cached prefix would
+    # change what is measured): one short, and enough of the measured length to fill a prefill chunk, so that
+    # the prefill kernels for those shapes are compiled and tuned before the clock starts. Without the second
+    # part, prefill took 0.3-1.8 s of a 23 s run by chance of a fresh Triton cache (H100 host, 2026-11-22).
+    length = len(prompts[0])
+    count = min(len(prompts), llm.config.max_num_batched_tokens // max(length, 1) + 1)
+    warm = [[vocab - 1] * min(length, 64)] + [[vocab - 2 - i] * length for i in range(count)]
+    llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    scheduler = llm.engine.scheduler
+    moves_before = (scheduler.num_preemptions, scheduler.num_promotions, scheduler.num_demotions)
+    lanes_before = dict(llm.engine.decoded_by_lane)
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in output_lens]
     steps = []
     engine_step = llm.engine.step
@@ -39,9 +46,11 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **
         "prefill_seconds": sum(s.seconds for s in steps if s.is_prefill),
         "decode_steps": len(decode_ms), "decode_step_ms_median": decode_ms[len(decode_ms) // 2],
         "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu")},
-        "preemptions": llm.engine.scheduler.num_preemptions, "promotions": llm.engine.scheduler.num_promotions,
-        "demotions": llm.engine.scheduler.num_demotions,
-        "decoded_by_lane": dict(llm.engine.decoded_by_lane),  # the warm-up's few tokens included
+        # the measured call's own moves and tokens, without the warm-up's
+        "preemptions": scheduler.num_preemptions - moves_before[0],
+        "promotions": scheduler.num_promotions - moves_before[1],
+        "demotions": scheduler.num_demotions - moves_before[2],
+        "decoded_by_lane": {lane: n - lanes_before[lane] for lane, n in llm.engine.decoded_by_lane.items()},
         "lane_stats": llm.engine.stats.snapshot(),  # the cost check's inputs at the end, and its outcomes
         **llm.kv_cache_summary,
         "device_pool_gib": runner.num_gpu_blocks * llm.config.block_size

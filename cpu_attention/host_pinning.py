@@ -53,6 +53,12 @@ class CudaDriver:
     def use_context(self, context: int) -> int:
         return self._lib.cuCtxSetCurrent(context)
 
+    def can_use_host_pointer(self, device_index: int) -> bool:
+        """Whether kernels on the device may address registered host memory by its host pointer
+        (CU_DEVICE_ATTRIBUTE_CAN_USE_HOST_POINTER_FOR_REGISTERED_MEM)."""
+        value = ctypes.c_int()
+        return self._lib.cuDeviceGetAttribute(ctypes.byref(value), 91, device_index) == 0 and value.value == 1
+
     def register(self, ptr: int, nbytes: int) -> int:
         return self._register(ptr, nbytes, _PORTABLE)
 

@@ -4,10 +4,16 @@ Promotion (engine/placement.py says when) moves a decoding host-tier sequence in
 crosses PCIe once (~55 GB/s pinned on the H200 host, about what one host decode step of it reads), and from
 then on every step of it runs at device speed.
 
-Per group of layers: the sequences' host blocks are gathered into a pinned staging slot (numba, on the host
-executor: see cpu_attention/gather.py for why not a torch CPU op), cross to the device in one copy, and are
-transposed there from the host tier's head-major blocks to the token-major rows that the device backend's
-`store_kvcache` writes into the new slots. Slots come from MoveStaging, reused for every move.
+Two ways across, both ending in the device backend's `store_kvcache`, which writes token-major rows into the
+new slots after a transpose from the host tier's head-major blocks:
+- `read_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_layers): kernels on the device
+  lane's stream gather the blocks straight from host memory over PCIe. The engine's thread only queues them,
+  and nothing on the host copies. The staged way below took ~17 ms of that thread per promotion on the H100
+  host, waiting for the executor's gather and for the staging slots' copies behind the device lane's step
+  (benchmarks/profile_timeline.py, 2026-11-22).
+- `copy_to_device` (any device): per group of layers, the blocks are gathered into a pinned staging slot
+  (numba, on the host executor: see cpu_attention/gather.py for why not a torch CPU op) and cross in one copy.
+  Slots come from MoveStaging, reused for every move.
 """
 from collections import deque
 
@@ -18,6 +24,39 @@ from cpu_attention.gather import gather_blocks
 from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for
+
+
+def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_layers, device_layers, store_kvcache,
+                device_block_size: int) -> None:
+    """moves as copy_to_device's; mapped_layers: the host pool's (K, V) per layer as tensors on the device.
+    Returns once the reads are queued on the current stream: the host blocks must not be written before they
+    have run (ModelRunner.promote records when)."""
+    _, num_kv_heads, host_block_size, head_dim = mapped_layers[0][0].shape
+    device = device_layers[0][0].device
+    sources, rows, slots = _plan(moves, host_block_size, device_block_size)
+    source = torch.tensor(sources, dtype=torch.int64).to(device, non_blocking=True)
+    rows = torch.from_numpy(rows).to(device, non_blocking=True)
+    slots = torch.from_numpy(slots).to(device, non_blocking=True)
+    for layer, caches in enumerate(mapped_layers):
+        k, v = (_token_rows(cache.index_select(0, source), rows) for cache in caches)
+        store_kvcache(k, v, *device_layers[layer], slots)
+
+
+def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+    """The host blocks to read in order, each moved token's row among them, and its new device slot."""
+    sources, rows, slots = [], [], []
+    for seq, host_blocks in moves:
+        num_tokens = seq.num_computed_tokens
+        # Token t of this sequence sits at row (first block's place in the gather) * block size + t.
+        rows.append(len(sources) * host_block_size + np.arange(num_tokens))
+        sources += host_blocks[: -(-num_tokens // host_block_size)]
+        slots.append(slots_for(seq.block_table, device_block_size, 0, num_tokens))
+    return sources, np.concatenate(rows), np.concatenate(slots)
+
+
+def _token_rows(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """[blocks, Hkv, block_size, D] -> token rows [blocks * block_size, Hkv, D] -> the moved tokens."""
+    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1], blocks.shape[3])[rows]
 
 
 def copy_to_device(moves: list[tuple[Sequence, list[int]]], host_layers, device_layers, executor, store_kvcache,
@@ -33,16 +72,10 @@ def _copy_batch(moves, host_layers, device_layers, executor, store_kvcache, devi
                 staging: MoveStaging) -> None:
     _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
     device = device_layers[0][0].device
-    sources, rows, slots = [], [], []
-    for seq, host_blocks in moves:
-        num_tokens = seq.num_computed_tokens
-        # Token t of this sequence sits at row (first block's place in the gather) * block size + t.
-        rows.append(len(sources) * host_block_size + np.arange(num_tokens))
-        sources += host_blocks[: -(-num_tokens // host_block_size)]
-        slots.append(slots_for(seq.block_table, device_block_size, 0, num_tokens))
+    sources, rows, slots = _plan(moves, host_block_size, device_block_size)
     source = torch.tensor(sources, dtype=torch.int64)
-    rows = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
-    slots = torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True)
+    rows = torch.from_numpy(rows).to(device, non_blocking=True)
+    slots = torch.from_numpy(slots).to(device, non_blocking=True)
     block_shape = (len(sources), num_kv_heads, host_block_size, head_dim)
     layer_bytes = 2 * host_layers[0][0].element_size() * int(np.prod(block_shape))
     group = max(1, GROUP_BYTES // max(1, layer_bytes))
@@ -67,10 +100,8 @@ def _store_group(layers: range, slot: int, host_buffer, device_buffer, gathered,
         crossed = torch.cuda.Event()
         crossed.record()
         staging.busy_until(slot, crossed)  # the host slot is free again once the copy has read it
-    num_kv_heads, head_dim = device_buffer.shape[3], device_buffer.shape[5]
     for i, layer in enumerate(layers):
-        # [blocks, Hkv, block_size, D] -> token rows [blocks * block_size, Hkv, D] -> the moved tokens
-        k, v = (device_buffer[i, j].transpose(1, 2).reshape(-1, num_kv_heads, head_dim)[rows] for j in (0, 1))
+        k, v = (_token_rows(device_buffer[i, j], rows) for j in (0, 1))
         store_kvcache(k, v, *device_layers[layer], slots)
 
 

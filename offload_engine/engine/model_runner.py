@@ -30,6 +30,7 @@ class ModelRunner:
         self.decode_graphs: dict = {}
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
+        self._promotion_reads = None  # CUDA event: the latest promotion's direct reads of host blocks are done
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
         self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
@@ -197,12 +198,21 @@ class ModelRunner:
             torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
 
     def promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
-        """Copies promoted sequences' KV from their old host blocks into their new device blocks."""
-        from offload_engine.engine.kv_promotion import copy_to_device
+        """Copies promoted sequences' KV from their old host blocks into their new device blocks. Where the
+        device reads the pinned pool directly, this only queues the reads (kv_promotion.py); the old host blocks
+        may be handed out again at once, so the next host step waits for them first (run)."""
+        from offload_engine.engine.kv_promotion import copy_to_device, read_mapped
 
+        mapped = self.host_pool.device_layers()
         with torch.inference_mode(), self._lane_stream("device"):
-            copy_to_device(moves, self.host_pool.layers, self.device_pool, self.executor, self.backend.store_kvcache,
-                           self.cfg.block_size, self.move_staging)
+            if mapped is None:
+                copy_to_device(moves, self.host_pool.layers, self.device_pool, self.executor,
+                               self.backend.store_kvcache, self.cfg.block_size, self.move_staging)
+                return
+            self.check_host_writes(wait=True)  # demotions' and prefills' writes into these blocks have landed
+            read_mapped(moves, mapped, self.device_pool, self.backend.store_kvcache, self.cfg.block_size)
+            self._promotion_reads = torch.cuda.Event()
+            self._promotion_reads.record()
 
     def demote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
         """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
@@ -243,6 +253,10 @@ class ModelRunner:
         """One step for `seqs`. Decode steps of the two lanes may run at once, from two threads: each lane has
         its own graphs, generator and CUDA stream, and shares nothing else that a step writes."""
         self.check_host_writes()
+        if lane == "host" and self._promotion_reads is not None:
+            # The host step writes its new tokens into host blocks that a queued promotion may still read; the
+            # other host writers (demotion, prefill) queue their copies on the device lane's stream, after it.
+            self._promotion_reads.synchronize()
         with self._lane_stream(lane):
             step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
             graphs = self.decode_graphs.get(lane)
