@@ -21,7 +21,6 @@ import threading
 import time
 
 import numba
-import numpy as np
 import torch
 
 from cpu_attention import CpuAttentionExecutor, paged_decode_attention

@@ -14,7 +14,6 @@ a thread that wants the GIL while another runs Python waits up to that interval.
 """
 import argparse
 import json
-import os
 import sys
 import time
 from collections import defaultdict
