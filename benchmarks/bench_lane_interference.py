@@ -6,7 +6,10 @@ The same D device-tier sequences decode twice: alone (the host lane idle), and b
 whose steps are in flight the whole time (promotion off, placement forced: the first D requests on the
 device tier, the rest on the host tier). Every device-lane decode step is timed on the engine's thread
 (wall and thread CPU time), and so is every host-lane step on its own thread. The slowdown is the median
-device step at full batch with a host step in flight, over the median with the host lane idle.
+device step at full batch with a host step in flight, over the median with the host lane idle. D takes
+several values (--device-seqs 10,32): at 32 rows of 1k tokens the step is GPU-bound and the lanes barely touch,
+while at the ~10 rows of the decode-heavy run auto's device steps were 5-7% slower than gpu's
+(profile_timeline.py, H100 host, 2026-11-22).
 Writes benchmarks/results/<device>/lane_interference.json (or --out).
 """
 import argparse
@@ -77,25 +80,25 @@ def summarize(records: list[dict], batch: int) -> dict:
             "host_work_ms": median(host, "host_work_ms"), "host_device_wait_ms": median(host, "device_wait_ms")}
 
 
-def run_case(path: str, args, with_host: bool) -> dict:
+def run_case(path: str, args, device_seqs: int, with_host: bool) -> dict:
     vocab = 400 if args.model == "tiny" else 10000
-    device_prompts = random_prompts([args.device_prompt] * args.device_seqs, vocab, seed=1)
+    device_prompts = random_prompts([args.device_prompt] * device_seqs, vocab, seed=1)
     host_prompts = random_prompts([args.host_prompt] * args.host_seqs, vocab, seed=2) if with_host else []
     budget = -(-(args.device_prompt + args.output) // 16)
-    llm = LLM(path, kv_placement="auto", kv_promotion=False, num_gpu_blocks=args.device_seqs * budget + 16,
-              cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_num_seqs=args.device_seqs + args.host_seqs,
+    llm = LLM(path, kv_placement="auto", kv_promotion=False, num_gpu_blocks=device_seqs * budget + 16,
+              cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_num_seqs=device_seqs + args.host_seqs,
               max_model_len=max(args.device_prompt, args.host_prompt) + args.output)
     llm.generate([[7] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
-    force_placement(args.device_seqs)
+    force_placement(device_seqs)
     records = timed_runs(llm)
     params = SamplingParams(temperature=0.6, max_tokens=args.output, ignore_eos=True)
     # Host-tier sequences are admitted after the device ones, so their prompts go last and start last.
     start = time.perf_counter()
     outputs = llm.generate(device_prompts + host_prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
-    assert [o.kv_location for o in outputs] == ["gpu"] * args.device_seqs + ["cpu"] * len(host_prompts)
+    assert [o.kv_location for o in outputs] == ["gpu"] * device_seqs + ["cpu"] * len(host_prompts)
     llm.close()
-    return {"seconds": seconds, **summarize(records, args.device_seqs)}
+    return {"seconds": seconds, **summarize(records, device_seqs)}
 
 
 def main() -> None:
@@ -103,7 +106,7 @@ def main() -> None:
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="qwen3-0.6b")
-    parser.add_argument("--device-seqs", type=int, default=32)
+    parser.add_argument("--device-seqs", default="10,32", help="device-lane batch sizes, comma-separated")
     parser.add_argument("--device-prompt", type=int, default=1024)
     parser.add_argument("--host-seqs", type=int, default=32)
     parser.add_argument("--host-prompt", type=int, default=2048)
@@ -124,19 +127,20 @@ def main() -> None:
     result = {"label": args.label, "model": args.model, "device": device_slug(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "host_cores": os.cpu_count(), "config": vars(args),
               "switch_interval_s": __import__("sys").getswitchinterval()}
-    result["idle"] = run_case(path, args, with_host=False)
-    result["busy"] = run_case(path, args, with_host=True)
-    idle, busy = result["idle"]["device_step_ms_idle"], result["busy"]["device_step_ms_busy"]
-    result["slowdown"] = busy / idle if idle and busy else None
+    result["by_batch"] = {}
+    for size in (int(n) for n in args.device_seqs.split(",")):
+        case = {"idle": run_case(path, args, size, with_host=False), "busy": run_case(path, args, size, with_host=True)}
+        idle, busy = case["idle"]["device_step_ms_idle"], case["busy"]["device_step_ms_busy"]
+        case["slowdown"] = busy / idle if idle and busy else None
+        result["by_batch"][str(size)] = case
+        print(f"[{args.label}] device step at batch {size}: {idle:.2f} ms host lane idle, {busy:.2f} ms busy = "
+              f"{case['slowdown']:.3f}x; host step {case['busy']['host_step_ms']:.1f} ms (host work "
+              f"{case['busy']['host_work_ms']:.1f}, waits for the device {case['busy']['host_device_wait_ms']:.1f})",
+              flush=True)
     out = args.out or os.path.join(RESULTS, result["device"], f"lane_interference_{args.label}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
         json.dump(result, f, indent=2)
-    print(json.dumps({k: result[k] for k in ("idle", "busy")}, indent=1))
-    print(f"[{args.label}] device step at batch {args.device_seqs}: {idle:.2f} ms host lane idle, {busy:.2f} ms "
-          f"busy = {result['slowdown']:.3f}x; host step {result['busy']['host_step_ms']:.1f} ms "
-          f"(host work {result['busy']['host_work_ms']:.1f}, waits for the device "
-          f"{result['busy']['host_device_wait_ms']:.1f})")
 
 
 if __name__ == "__main__":
