@@ -118,5 +118,4 @@ class HostStepGraphs:
         work, waits = loop.split_seconds()
         meta.host_kernel_seconds.append(work)
         self.last_device_wait_seconds = waits  # profiling: how long the loop waited for the device's layers
-        self.last_times = loop.times
         return logits[:batch]

@@ -31,8 +31,7 @@ def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_layers, device_l
     """moves as copy_to_device's; mapped_layers: the host pool's (K, V) per layer as tensors on the device.
     Returns once the reads are queued on the current stream: the host blocks must not be written before they
     have run (ModelRunner.promote records when)."""
-    _, num_kv_heads, host_block_size, head_dim = mapped_layers[0][0].shape
-    device = device_layers[0][0].device
+    host_block_size, device = mapped_layers[0][0].shape[2], device_layers[0][0].device
     sources, rows, slots = _plan(moves, host_block_size, device_block_size)
     source = torch.tensor(sources, dtype=torch.int64).to(device, non_blocking=True)
     rows = torch.from_numpy(rows).to(device, non_blocking=True)

@@ -24,11 +24,11 @@ def _tokens_of(cache: torch.Tensor, block_table: list[int], num_tokens: int, hea
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group_bytes", [1, 1 << 30, "mapped"])  # a layer per group, every layer in one group,
-# and the device reading the host pool directly (here the pool's twin on the test device stands in for the
-# pinned pool that CUDA maps: HostKVPool.device_layers)
-def test_copy_moves_every_token_to_its_new_device_slot(dtype, group_bytes, monkeypatch):
-    monkeypatch.setattr(kv_promotion, "GROUP_BYTES", 1 if group_bytes == "mapped" else group_bytes)
+# Staged with a layer per group or every layer in one group, and read directly by the device (the pool's twin
+# on the test device stands in for the pinned pool that CUDA maps: HostKVPool.device_layers).
+@pytest.mark.parametrize("way", ["staged, group per layer", "staged, one group", "mapped"])
+def test_copy_moves_every_token_to_its_new_device_slot(dtype, way, monkeypatch):
+    monkeypatch.setattr(kv_promotion, "GROUP_BYTES", 1 << 30 if way == "staged, one group" else 1)
     gen = torch.Generator().manual_seed(7)
     layers, hkv, d, host_bs, dev_bs = 3, 2, 8, 8, 4
     host = [tuple(torch.randn(12, hkv, host_bs, d, generator=gen).to(dtype) for _ in "kv") for _ in range(layers)]
@@ -42,7 +42,7 @@ def test_copy_moves_every_token_to_its_new_device_slot(dtype, group_bytes, monke
         seq = Sequence(list(range(n + 1)), SamplingParams(), budget=n + 4)
         seq.num_computed_tokens, seq.block_table = n, dev_table
         moves.append((seq, host_table))
-    if group_bytes == "mapped":
+    if way == "mapped":
         mapped = [tuple(cache.to(TEST_DEVICE) for cache in layer) for layer in host]
         kv_promotion.read_mapped(moves, mapped, device, store, dev_bs)
     else:
