@@ -1,13 +1,33 @@
 """Where auto's time goes against gpu's on the decode-heavy 0.6B workload, 32 x (1024 + 1024) at 1,024 device
-blocks: per device-lane step its kind, batch and time; promote and demote time; waits for the host lane. Prints
-totals, the median device step time per batch size, and the mean batch over ten slices of the run.
+blocks: per device-lane step its kind, batch and time; promote and demote time; waits for the host lane; per
+host-lane step its rows, KV bytes, host work and waits for the device. Prints totals, the median device step
+time per batch size with the host lane idle and busy, the host lane's rows and read rate over ten slices of the
+run, and the mean device batch over the same slices.
 
     python -m benchmarks.profile_timeline {gpu,auto}      # writes $OUT/timeline_<placement>.json
 """
 import collections, json, os, sys, time, statistics
 from benchmarks.bench_throughput import model_dir
 from benchmarks.engine_run import measure, random_prompts
-from offload_engine.engine import model_runner, llm_engine
+from offload_engine.engine import model_runner, llm_engine, lane_stats
+
+host_steps = []  # (end time, rows, KV bytes, seconds, host work seconds, waits for the device)
+orig_host_step = llm_engine.LLMEngine._host_step
+def host_step(self, batch):
+    t = time.perf_counter()
+    tokens = orig_host_step(self, batch)
+    graphs = self.runner.decode_graphs.get("host")
+    waits = getattr(graphs, "last_device_wait_seconds", float("nan"))
+    host_steps.append((time.perf_counter(), len(batch), sum(map(len, batch)) * self.stats.kv_bytes_per_token,
+                       time.perf_counter() - t, self.runner.host_kernel_seconds["host"], waits))
+    return tokens
+llm_engine.LLMEngine._host_step = host_step
+timed_steps = collections.defaultdict(list)  # (rows, host busy) -> seconds, steps without KV moves only
+orig_done = lane_stats.LaneStats.device_step_done
+def device_step_done(self, rows, seconds, host_busy):
+    timed_steps[(rows, host_busy)].append(seconds)
+    orig_done(self, rows, seconds, host_busy)
+lane_stats.LaneStats.device_step_done = device_step_done
 
 spent = collections.Counter(); count = collections.Counter(); steps = []
 def timed(owner, name, key):
@@ -50,6 +70,19 @@ summary = {"placement": placement, "tok_s": r["output_tok_per_s"], "decoded_by_l
            "steps_by_batch": {b: len(v) for b, v in sorted(by_batch.items())}}
 # device batch over time in 10 slices of the decode steps
 n = len(dec); summary["batch_deciles"] = [round(statistics.mean(s[2] for s in dec[i * n // 10:(i + 1) * n // 10]), 1) for i in range(10)]
+summary["step_ms_idle_busy"] = {
+    b: [round(1e3 * statistics.median(timed_steps[(b, busy)]), 2) if len(timed_steps[(b, busy)]) > 10 else None
+        for busy in (False, True)] for b in sorted({b for b, _ in timed_steps})}
+if host_steps:
+    m = len(host_steps)
+    sl = [host_steps[i * m // 10:(i + 1) * m // 10] for i in range(10)]
+    summary["host"] = {"steps": m, "rows_mean": statistics.mean(h[1] for h in host_steps),
+                       "step_ms_mean": 1e3 * statistics.mean(h[3] for h in host_steps),
+                       "work_gbps": sum(h[2] for h in host_steps) / sum(h[4] for h in host_steps) / 1e9,
+                       "waits_ms_mean": 1e3 * statistics.mean(h[5] for h in host_steps),
+                       "rows_deciles": [round(statistics.mean(h[1] for h in x), 1) for x in sl if x],
+                       "step_ms_deciles": [round(1e3 * statistics.mean(h[3] for h in x), 1) for x in sl if x],
+                       "work_gbps_deciles": [round(sum(h[2] for h in x) / sum(h[4] for h in x) / 1e9, 1) for x in sl if x]}
 print(json.dumps(summary))
 with open(os.path.join(os.environ.get("OUT", "."), f"timeline_{placement}.json"), "w") as f:
-    json.dump({"summary": summary, "result": r}, f, indent=1)
+    json.dump({"summary": summary, "result": r, "host_steps": host_steps}, f, indent=1)

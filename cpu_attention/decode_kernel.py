@@ -29,6 +29,7 @@ Everything this kernel inlines lives in this file on purpose: numba's on-disk ca
 file of the cached function alone, so a helper edited in another file would be served stale from the cache.
 """
 import math
+import platform
 
 import numpy as np
 from llvmlite import ir
@@ -205,7 +206,7 @@ def _prefetch_row(cache, row_start, step):
 
 
 @njit(nogil=True, fastmath=FASTMATH)
-def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block):
+def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block, next_rows):
     """scores[g, t] = q[h0 + g] . k[t] for the n valid rows of one K block, and block_max[g] = max_t scores.
 
     Four rows at a time, the group's heads in quads, then a pair, then a single head (the group's remainder
@@ -223,7 +224,8 @@ def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block):
     quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
     for t in range(0, n4, 4):
         for r in range(4):
-            _prefetch_row(k_cache, next_block + (t + r) * dim, step)
+            if t + r < next_rows:
+                _prefetch_row(k_cache, next_block + (t + r) * dim, step)
         for g in range(0, quads, 4):
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
             c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = np.float32(0.0)
@@ -284,7 +286,8 @@ def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block):
             scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = a, b, c, e
             block_max[g] = max(block_max[g], max(max(a, b), max(c, e)))
     for t in range(n4, n):
-        _prefetch_row(k_cache, next_block + t * dim, step)
+        if t < next_rows:
+            _prefetch_row(k_cache, next_block + t * dim, step)
         for g in range(group):
             scores[g, t] = _dot(q, h0 + g, kb, t)
             block_max[g] = max(block_max[g], scores[g, t])
@@ -320,7 +323,7 @@ def _softmax_update(scores, n, block_maxes, running_max, running_sum, acc):
 
 
 @njit(nogil=True, fastmath=FASTMATH)
-def _block_values(vb, n, scores, acc, v_cache, next_block):
+def _block_values(vb, n, scores, acc, v_cache, next_block, next_rows):
     """acc[g] += sum_t p[g, t] * v[t], four V rows per pass, so each accumulator row is loaded and stored once
     per four V rows instead of once per row: the group's heads in quads, then a pair (group 2 runs only this
     one), then a single head, so that every widened V element feeds as many heads as the group has left. The
@@ -331,7 +334,8 @@ def _block_values(vb, n, scores, acc, v_cache, next_block):
     quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
     for t in range(0, n4, 4):
         for r in range(4):
-            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
+            if t + r < next_rows:
+                _prefetch_row(v_cache, next_block + (t + r) * dim, step)
         for g in range(0, quads, 4):
             a0, a1, a2, a3 = scores[g, t], scores[g + 1, t], scores[g + 2, t], scores[g + 3, t]
             b0, b1, b2, b3 = scores[g, t + 1], scores[g + 1, t + 1], scores[g + 2, t + 1], scores[g + 3, t + 1]
@@ -356,7 +360,8 @@ def _block_values(vb, n, scores, acc, v_cache, next_block):
                 acc[g, d] += a * widen(vb[t, d]) + b * widen(vb[t + 1, d]) + c * widen(vb[t + 2, d]) \
                     + e * widen(vb[t + 3, d])
     for t in range(n4, n):
-        _prefetch_row(v_cache, next_block + t * dim, step)
+        if t < next_rows:
+            _prefetch_row(v_cache, next_block + t * dim, step)
         for g in range(group):
             p = scores[g, t]
             for d in range(dim):
@@ -374,21 +379,30 @@ def _attend_split(q, k_cache, v_cache, table_row, context_len, h, first, last, a
     running_max[:] = -np.inf
     running_sum[:] = 0.0
     acc[:] = 0.0
-    # Software prefetch runs PREFETCH_ROWS rows ahead (whole blocks), the first stretch in one burst.
+    # Software prefetch runs PREFETCH_ROWS rows ahead (whole blocks), the first stretch in one burst. Only rows
+    # inside the context: a block's unused tail is never read, and prefetching it anyway made a step of 22 rows
+    # x 16 tokens read a whole 64-row block per (row, kv head) (H100 host, 2026-11-22).
     distance = (PREFETCH_ROWS + block_size - 1) // block_size
     for j in range(first, min(first + distance, last)):
         start = (table_row[j] * num_kv_heads + h) * block_size * dim
-        for c in range(0, block_size * dim, CACHE_LINE_BYTES // k_cache.itemsize):
+        for c in range(0, _rows_in_block(context_len, j, block_size) * dim, CACHE_LINE_BYTES // k_cache.itemsize):
             _prefetch(k_cache, start + c)
             _prefetch(v_cache, start + c)
     for j in range(first, last):
         block = table_row[j]
-        n = min(block_size, context_len - j * block_size)
-        ahead = table_row[j + distance] if j + distance < last else block
+        n = _rows_in_block(context_len, j, block_size)
+        next_rows = _rows_in_block(context_len, j + distance, block_size) if j + distance < last else 0
+        ahead = table_row[j + distance] if next_rows else block
         next_block = (ahead * num_kv_heads + h) * block_size * dim
-        _block_scores(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_block)
+        _block_scores(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_block, next_rows)
         _softmax_update(scores, n, block_max, running_max, running_sum, acc)
-        _block_values(v_cache[block, h], n, scores, acc, v_cache, next_block)
+        _block_values(v_cache[block, h], n, scores, acc, v_cache, next_block, next_rows)
+
+
+@njit(inline="always")
+def _rows_in_block(context_len, j, block_size):
+    """Rows of block j (of a table row) that hold context tokens."""
+    return min(block_size, context_len - j * block_size)
 
 
 @njit(nogil=True, fastmath=FASTMATH)
@@ -507,37 +521,77 @@ def _cycles(typingctx):
     return types.int64(), codegen
 
 
+@intrinsic
+def _count(typingctx, counters, index):
+    """Atomic counters[index] += 1 with acquire-release order, returning the old value. As a ticket it hands out
+    work items; as a tally of finished items, whoever reads the total (with acquire) sees every item's writes."""
+    if not (isinstance(counters, types.Array) and counters.dtype == types.int64):
+        return None
+
+    def codegen(context, builder, signature, args):
+        array = context.make_array(signature.args[0])(context, builder, args[0])
+        index_value = context.cast(builder, args[1], signature.args[1], types.intp)
+        one = context.get_constant(types.int64, 1)
+        return builder.atomic_rmw("add", builder.gep(array.data, [index_value]), one, "acq_rel")
+
+    return types.int64(counters, index), codegen
+
+
+@intrinsic
+def _spin_pause(typingctx):
+    """x86 `pause` in a spin loop (nothing elsewhere): the spinning core yields its pipeline to its sibling
+    hyperthread and leaves the loop without a memory-order flush once the flag changes."""
+
+    def codegen(context, builder, signature, args):
+        if platform.machine().lower() in ("x86_64", "amd64", "i386", "i686"):
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), []),
+                                                "llvm.x86.sse2.pause")
+            builder.call(fn, [])
+        return context.get_dummy_value()
+
+    return types.void(), codegen
+
+
 @njit(nogil=True, cache=True)
 def cycles():
     """The cycle counter from Python (layer_loop.py calibrates it against perf_counter)."""
     return _cycles()
 
 
-@njit(nogil=True, fastmath=FASTMATH)
-def _store_new_rows(k_new, v_new, k_cache, v_cache, slots, batch):
-    """The step's one new token per row into its slot (-1: no token); bit patterns copied, never widened."""
-    _prefer_wide_vectors()
-    block_size = k_cache.shape[2]
-    for b in range(batch):
-        slot = slots[b]
-        if slot >= 0:
-            block, offset = slot // block_size, slot % block_size
-            for h in range(k_cache.shape[1]):
-                for d in range(k_cache.shape[3]):
-                    k_cache[block, h, offset, d] = k_new[b, h, d]
-                    v_cache[block, h, offset, d] = v_new[b, h, d]
+@njit(inline="always")
+def _wait_for(flags_or_counts, index, target, abandon):
+    """Spins until flags_or_counts[index] >= target; False if the lane abandoned the step (abandon[1] != 0)."""
+    while _load_acquire(flags_or_counts, index) < target:
+        if _load_acquire(abandon, 1) != 0:
+            return False
+        _spin_pause()
+    return True
 
 
 @njit(nogil=True, fastmath=FASTMATH)
-def _widen_query(q, batch, scale, wide):
+def _take_in_row(k_new, v_new, k_cache, v_cache, slot, q, scale, wide):
+    """One row's new token into its slot (-1: no token; bit patterns copied, never widened), and its query
+    widened and scaled."""
     _prefer_wide_vectors()
-    for b in range(batch):
-        for h in range(q.shape[1]):
-            for d in range(q.shape[2]):
-                wide[b, h, d] = widen(q[b, h, d]) * scale
+    if slot >= 0:
+        block, offset = slot // k_cache.shape[2], slot % k_cache.shape[2]
+        for h in range(k_cache.shape[1]):
+            for d in range(k_cache.shape[3]):
+                k_cache[block, h, offset, d] = k_new[h, d]
+                v_cache[block, h, offset, d] = v_new[h, d]
+    for h in range(q.shape[0]):
+        for d in range(q.shape[1]):
+            wide[h, d] = widen(q[h, d]) * scale
 
 
-@njit(nogil=True, cache=True)
+# A layer's three phases, each a queue of items: rows in (store + widen), attention items, merges. Each phase has a
+# ticket counter and a tally of finished items, each on a cache line of its own (8 int64s).
+_LINE = 8
+_TICKETS, _DONE = 0, _LINE
+_ROWS_IN, _ATTEND, _MERGE = 0, 2 * _LINE, 4 * _LINE
+
+
+@njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
 def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, context_lens, batch, scale, num_threads,
                   out, lse, times):
     """Every layer of one host-lane decode step, each once the device has handed it over; 0, or an ERRORS code.
@@ -549,26 +603,83 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
     runs (without the GIL); flags[1] != 0 from the lane abandons a step whose device never hands a layer over.
     times int64 [L + 1, 2]: cycle counts, row 0 the entry (twice), row l + 1 when layer l's gate 0 was seen open
     and when its gate 1 was opened: the device's turnaround between layers against the host's work on each.
-    It never returns before its last gate is open (layer_loop.py says why). On an error the remaining gates
-    open, so the device's step still ends (its output is thrown away).
+    It never returns before its last gate is open (layer_loop.py says why). Maps the kernel refuses open every
+    gate and return the error before any work, so the device's step still ends (its output is thrown away).
+
+    One parallel region spans the whole step: num_threads workers wait on each layer's gate 0 together and take
+    its items from shared counters, and a phase starts once the tally of the one before is complete. A region
+    per layer (decode_kernel's two) cost ~1 ms a layer on the GPU hosts, whatever the context: once torch has
+    started an OpenMP team of its own in the process, libgomp counts more threads than cores and lets idle
+    workers spin only ~100 times before they sleep, so every region woke 13 sleeping threads (an empty region:
+    2 us -> 67 us on 2 cores). Waiting on tallies, not on each other, keeps it correct with fewer threads than
+    num_threads: a worker that comes late finds its layers done.
     """
     _store_release(flags, 0, 1)
     times[0, 0] = times[0, 1] = _cycles()
-    num_layers = q.shape[0]
-    wide = np.empty((batch, q.shape[2], q.shape[3]), np.float32)
-    for layer in range(num_layers):
-        while _load_acquire(gates[0], layer) == 0:
-            if _load_acquire(flags, 1) != 0:
+    num_layers, num_q_heads, dim = q.shape[0], q.shape[2], q.shape[3]
+    num_blocks, num_kv_heads, block_size = pools.shape[2], pools.shape[3], pools.shape[4]
+    group = num_q_heads // num_kv_heads
+    error = _check_tables(block_tables, context_lens, num_blocks, block_size)
+    if error or batch == 0:
+        for layer in range(num_layers):
+            if not error and not _wait_for(gates[0], layer, 1, flags):
                 return ABANDONED
-        times[layer + 1, 0] = _cycles()
-        _store_new_rows(k_new[layer], v_new[layer], pools[layer, 0], pools[layer, 1], slots, batch)
-        _widen_query(q[layer], batch, np.float32(scale), wide)
-        error = decode_kernel(wide, pools[layer, 0], pools[layer, 1], block_tables, context_lens, 0, num_threads,
-                              out[layer, :batch], lse)
-        if error:
-            for rest in range(layer, num_layers):
-                _store_release(gates[1], rest, 1)
-            return error
-        _store_release(gates[1], layer, 1)
-        times[layer + 1, 1] = _cycles()
-    return 0
+            _store_release(gates[1], layer, 1)
+        return error
+    chunk_blocks = plan_chunk_blocks(context_lens, block_size, num_kv_heads, num_threads)
+    offsets = plan_split_offsets(context_lens, block_size, chunk_blocks)
+    split_seq = np.empty(offsets[batch], np.int64)
+    for b in range(batch):
+        split_seq[offsets[b]:offsets[b + 1]] = b
+    num_items, num_rows = offsets[batch] * num_kv_heads, batch * num_q_heads
+    part_acc = np.empty((num_items, group, dim), np.float32)
+    part_max = np.empty((num_items, group), np.float32)
+    part_sum = np.empty((num_items, group), np.float32)
+    wide = np.empty((batch, num_q_heads, dim), np.float32)
+    counts = np.zeros((num_layers, 6 * _LINE), np.int64)
+    stride = (max(block_size, group) + 15) // 16 * 16  # scratch rows as decode_kernel's
+    scratch = np.empty((num_threads, group + 4, stride), np.float32)
+    scale32 = np.float32(scale)
+    for w in prange(num_threads):
+        scores, stats = scratch[w, :group], scratch[w, group:group + 3]
+        for layer in range(num_layers):
+            if not _wait_for(gates[0], layer, 1, flags):
+                break
+            c = counts[layer]
+            k_cache, v_cache = pools[layer, 0], pools[layer, 1]
+            b = _count(c, _ROWS_IN + _TICKETS)
+            while b < batch:
+                if b == 0:
+                    times[layer + 1, 0] = _cycles()
+                _take_in_row(k_new[layer, b], v_new[layer, b], k_cache, v_cache, slots[b], q[layer, b], scale32,
+                             wide[b])
+                _count(c, _ROWS_IN + _DONE)
+                b = _count(c, _ROWS_IN + _TICKETS)
+            if not _wait_for(c, _ROWS_IN + _DONE, batch, flags):
+                break
+            item = _count(c, _ATTEND + _TICKETS)
+            while item < num_items:
+                split, h = item // num_kv_heads, item % num_kv_heads
+                b = split_seq[split]
+                last_block = (context_lens[b] + block_size - 1) // block_size
+                first = min((split - offsets[b]) * chunk_blocks, last_block)
+                last = min(first + chunk_blocks, last_block)
+                _attend_split(wide[b], k_cache, v_cache, block_tables[b], context_lens[b], h, first, last,
+                              part_acc[item], stats[1], stats[2], scores, stats[0])
+                for g in range(group):
+                    part_max[item, g], part_sum[item, g] = stats[1, g], stats[2, g]
+                _count(c, _ATTEND + _DONE)
+                item = _count(c, _ATTEND + _TICKETS)
+            if not _wait_for(c, _ATTEND + _DONE, num_items, flags):
+                break
+            row = _count(c, _MERGE + _TICKETS)
+            while row < num_rows:
+                b, hq = row // num_q_heads, row % num_q_heads
+                h, g = hq // group, hq % group
+                lse[b, hq] = _merge_splits(part_acc, part_max, part_sum, offsets[b] * num_kv_heads + h,
+                                           offsets[b + 1] * num_kv_heads, num_kv_heads, g, out[layer, b, hq])
+                if _count(c, _MERGE + _DONE) + 1 == num_rows:  # the layer's last merge hands it back
+                    times[layer + 1, 1] = _cycles()
+                    _store_release(gates[1], layer, 1)
+                row = _count(c, _MERGE + _TICKETS)
+    return 0 if _load_acquire(gates[1], num_layers - 1) != 0 else ABANDONED

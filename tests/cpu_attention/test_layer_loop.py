@@ -13,6 +13,8 @@ import torch
 from numba.core.errors import TypingError
 
 from cpu_attention import CpuAttentionExecutor
+from cpu_attention.decode import kernel_view
+from cpu_attention.decode_kernel import decode_layers
 from cpu_attention.layer_loop import LayerLoop, check_step
 from tests.cpu_attention.test_decode import TOLERANCE
 from tests.reference import paged_decode_reference, random_paged_kv, relative_error
@@ -165,3 +167,22 @@ def test_loop_that_cannot_start_reports_before_any_launch(executor):
     with pytest.raises(TypingError):
         loop.result()
     executor.drain()
+
+
+@pytest.mark.parametrize("workers", (1, 5), ids=("one worker", "more workers than threads"))
+def test_step_is_exact_whatever_the_worker_count(executor, workers):
+    """decode_layers runs one parallel region of `num_threads` workers that wait on each other's tallies, not on
+    each other: with more workers than the team has threads (some run after others have finished) or with one,
+    every layer is still computed, exactly as by the reference, and every gate opens."""
+    pools, q, k_new, v_new, slots, tables, lens, refs = make_step(torch.float32, seed=3)
+    out = np.full((NUM_LAYERS, q.shape[1], q.shape[2], HEAD_DIM), np.nan, np.float32)
+    gates = np.zeros((2, NUM_LAYERS), np.int32)
+    gates[0, :] = 1  # the device handed everything over
+    arrays = [kernel_view(t) for t in (q, k_new, v_new, pools)]
+    error = executor.submit(decode_layers, gates, np.zeros(2, np.int64), *arrays, slots, tables, lens, len(LENS),
+                            HEAD_DIM ** -0.5, workers, out, np.empty((len(LENS), q.shape[2]), np.float32),
+                            np.zeros((NUM_LAYERS + 1, 2), np.int64)).result(timeout=60)
+    assert error == 0 and gates[1].all()
+    for layer in range(NUM_LAYERS):
+        assert relative_error(torch.from_numpy(out[layer, : len(LENS) - 1]), refs[layer][:-1]) < TOLERANCE[torch.float32]
+        assert not np.any(out[layer, len(LENS) - 1])
