@@ -1,12 +1,14 @@
-"""Where auto's time goes against gpu's on the decode-heavy 0.6B workload, 32 x (1024 + 1024) at 1,024 device
-blocks: per device-lane step its kind, batch and time; promote and demote time; waits for the host lane; per
+"""Where auto's time goes against gpu's on a decode-heavy workload (default: 0.6B, 32 x (1024 + 1024) at 1,024 device
+blocks): per device-lane step its kind, batch and time; promote and demote time; waits for the host lane; per
 host-lane step its rows, KV bytes, host work and waits for the device. Prints totals, the median device step
 time per batch size with the host lane idle and busy, the host lane's rows and read rate over ten slices of the
 run, and the mean device batch over the same slices.
 
     python -m benchmarks.profile_timeline {gpu,auto}      # writes $OUT/timeline_<placement>.json
+    python -m benchmarks.profile_timeline auto --model qwen3-8b --num-seqs 64 --num-gpu-blocks 3296 --tag 8b
 """
-import collections, json, os, sys, time, statistics
+import argparse
+import collections, json, os, time, statistics
 from benchmarks.bench_throughput import model_dir
 from benchmarks.engine_run import measure, random_prompts
 from offload_engine.engine import model_runner, llm_engine, lane_stats
@@ -55,14 +57,24 @@ def run(self, seqs, is_prefill, lane="device"):
             steps.append((time.perf_counter(), is_prefill, len(seqs), time.perf_counter() - t,
                           sum(s.num_scheduled_tokens for s in seqs) if is_prefill else 0))
 model_runner.ModelRunner.run = run
-placement = sys.argv[1]
-t0 = time.perf_counter()
-r = measure(model_dir("qwen3-0.6b", "/tmp/offload_engine_models"), random_prompts([1024] * 32, 10000), [1024] * 32,
-            kv_placement=placement, num_gpu_blocks=1024, max_num_seqs=256)
+parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+parser.add_argument("placement", choices=("gpu", "auto", "cpu"))
+parser.add_argument("--model", default="qwen3-0.6b")
+parser.add_argument("--num-seqs", type=int, default=32)
+parser.add_argument("--prompt-len", type=int, default=1024)
+parser.add_argument("--output-len", type=int, default=1024)
+parser.add_argument("--num-gpu-blocks", type=int, default=1024)
+parser.add_argument("--tag", default="", help="appended to the output file's name")
+args = parser.parse_args()
+placement = args.placement
+vocab = 400 if args.model == "tiny" else 10000  # random ids below every model's vocabulary
+r = measure(model_dir(args.model, "/tmp/offload_engine_models"), random_prompts([args.prompt_len] * args.num_seqs, vocab),
+            [args.output_len] * args.num_seqs, kv_placement=placement, num_gpu_blocks=args.num_gpu_blocks,
+            max_num_seqs=256)
 dec = [s for s in steps if not s[1]]; pre = [s for s in steps if s[1]]
 by_batch = collections.defaultdict(list)
 for s in dec: by_batch[s[2]].append(s[3])
-summary = {"placement": placement, "tok_s": r["output_tok_per_s"], "decoded_by_lane": r.get("decoded_by_lane"),
+summary = {"placement": placement, "workload": vars(args), "tok_s": r["output_tok_per_s"], "decoded_by_lane": r.get("decoded_by_lane"),
            "decode_steps": len(dec), "decode_s": sum(s[3] for s in dec), "mean_batch": statistics.mean(s[2] for s in dec),
            "prefill_steps": len(pre), "prefill_s": sum(s[3] for s in pre), "prefill_tokens": sum(s[4] for s in pre),
            "spent": dict(spent), "count": dict(count),
@@ -84,5 +96,5 @@ if host_steps:
                        "step_ms_deciles": [round(1e3 * statistics.mean(h[3] for h in x), 1) for x in sl if x],
                        "work_gbps_deciles": [round(sum(h[2] for h in x) / sum(h[4] for h in x) / 1e9, 1) for x in sl if x]}
 print(json.dumps(summary))
-with open(os.path.join(os.environ.get("OUT", "."), f"timeline_{placement}.json"), "w") as f:
+with open(os.path.join(os.environ.get("OUT", "."), f"timeline_{placement}{'_' + args.tag if args.tag else ''}.json"), "w") as f:
     json.dump({"summary": summary, "result": r, "host_steps": host_steps}, f, indent=1)
