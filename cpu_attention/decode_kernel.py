@@ -645,6 +645,11 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
         for layer in range(num_layers):
             if not _wait_for(gates[0], layer, 1, flags):
                 break
+            # The layer before must be merged before this one's items overwrite the partials it merges from.
+            # On the GPU the gates order this already (gate 0 of a layer opens after gate 1 of the one before);
+            # with the gates open ahead, as in warm-up, a worker could otherwise run on into the next layer.
+            if layer > 0 and not _wait_for(counts[layer - 1], _MERGE + _DONE, num_rows, flags):
+                break
             c = counts[layer]
             k_cache, v_cache = pools[layer, 0], pools[layer, 1]
             b = _count(c, _ROWS_IN + _TICKETS)
