@@ -427,6 +427,36 @@ def _merge_splits(part_acc, part_max, part_sum, first, stop, stride, g, out_row)
     return top + math.log(total)
 
 
+@njit(nogil=True, fastmath=FASTMATH)
+def _attend_item(item, q, k_cache, v_cache, block_tables, context_lens, split_seq, offsets, chunk_blocks, part_acc,
+                 part_max, part_sum, scores, stats):
+    """Work item `item` = (split, kv head) into its partial: part_acc[item], part_max[item], part_sum[item].
+    scores and stats are the worker's scratch rows (stats: block max, running max, running sum)."""
+    _prefer_wide_vectors()  # LLVM inlines the block loops here: the attribute must be on this function too
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    split, h = item // num_kv_heads, item % num_kv_heads
+    b = split_seq[split]
+    last_block = (context_lens[b] + block_size - 1) // block_size
+    first = min((split - offsets[b]) * chunk_blocks, last_block)
+    last = min(first + chunk_blocks, last_block)
+    _attend_split(q[b], k_cache, v_cache, block_tables[b], context_lens[b], h, first, last, part_acc[item],
+                  stats[1], stats[2], scores, stats[0])
+    for g in range(part_max.shape[1]):
+        part_max[item, g], part_sum[item, g] = stats[1, g], stats[2, g]
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out, lse):
+    """Output row `row` = (sequence, query head) from its sequence's partials: out[b, hq] and lse[b, hq]."""
+    _prefer_wide_vectors()
+    num_q_heads = out.shape[1]
+    group = num_q_heads // num_kv_heads
+    b, hq = row // num_q_heads, row % num_q_heads
+    h, g = hq // group, hq % group
+    lse[b, hq] = _merge_splits(part_acc, part_max, part_sum, offsets[b] * num_kv_heads + h,
+                               offsets[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
+
+
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
 def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks, num_threads, out, lse):
     batch, num_q_heads, dim = q.shape
@@ -456,21 +486,11 @@ def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks,
         scores, stats = scratch[w, :group], scratch[w, group:group + 3]  # whole rows keep them C-contiguous
         item = _take_ticket(tickets)
         while item < num_items:
-            split, h = item // num_kv_heads, item % num_kv_heads
-            b = split_seq[split]
-            last_block = (context_lens[b] + block_size - 1) // block_size
-            first = min((split - offsets[b]) * chunk_blocks, last_block)
-            last = min(first + chunk_blocks, last_block)
-            _attend_split(q[b], k_cache, v_cache, block_tables[b], context_lens[b], h, first, last,
-                          part_acc[item], stats[1], stats[2], scores, stats[0])
-            for g in range(group):
-                part_max[item, g], part_sum[item, g] = stats[1, g], stats[2, g]
+            _attend_item(item, q, k_cache, v_cache, block_tables, context_lens, split_seq, offsets, chunk_blocks,
+                         part_acc, part_max, part_sum, scores, stats)
             item = _take_ticket(tickets)
     for row in prange(batch * num_q_heads):
-        b, hq = row // num_q_heads, row % num_q_heads
-        h, g = hq // group, hq % group
-        lse[b, hq] = _merge_splits(part_acc, part_max, part_sum, offsets[b] * num_kv_heads + h,
-                                   offsets[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
+        _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out, lse)
     return 0
 
 
@@ -664,25 +684,15 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
                 break
             item = _count(c, _ATTEND + _TICKETS)
             while item < num_items:
-                split, h = item // num_kv_heads, item % num_kv_heads
-                b = split_seq[split]
-                last_block = (context_lens[b] + block_size - 1) // block_size
-                first = min((split - offsets[b]) * chunk_blocks, last_block)
-                last = min(first + chunk_blocks, last_block)
-                _attend_split(wide[b], k_cache, v_cache, block_tables[b], context_lens[b], h, first, last,
-                              part_acc[item], stats[1], stats[2], scores, stats[0])
-                for g in range(group):
-                    part_max[item, g], part_sum[item, g] = stats[1, g], stats[2, g]
+                _attend_item(item, wide, k_cache, v_cache, block_tables, context_lens, split_seq, offsets,
+                             chunk_blocks, part_acc, part_max, part_sum, scores, stats)
                 _count(c, _ATTEND + _DONE)
                 item = _count(c, _ATTEND + _TICKETS)
             if not _wait_for(c, _ATTEND + _DONE, num_items, flags):
                 break
             row = _count(c, _MERGE + _TICKETS)
             while row < num_rows:
-                b, hq = row // num_q_heads, row % num_q_heads
-                h, g = hq // group, hq % group
-                lse[b, hq] = _merge_splits(part_acc, part_max, part_sum, offsets[b] * num_kv_heads + h,
-                                           offsets[b + 1] * num_kv_heads, num_kv_heads, g, out[layer, b, hq])
+                _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out[layer], lse)
                 if _count(c, _MERGE + _DONE) + 1 == num_rows:  # the layer's last merge hands it back
                     times[layer + 1, 1] = _cycles()
                     _store_release(gates[1], layer, 1)
