@@ -132,17 +132,19 @@ def _prefetch(typingctx, arr, flat_index):
 
 
 @intrinsic
-def _take_ticket(typingctx, counter):
-    """Atomic counter[0] += 1, returning the old value: the work queue shared by the workers."""
-    if not (isinstance(counter, types.Array) and counter.dtype == types.int64):
+def _count(typingctx, counters, index):
+    """Atomic counters[index] += 1 with acquire-release order, returning the old value. As a ticket it hands out
+    work items; as a tally of finished items, whoever reads the total (with acquire) sees every item's writes."""
+    if not (isinstance(counters, types.Array) and counters.dtype == types.int64):
         return None
 
     def codegen(context, builder, signature, args):
         array = context.make_array(signature.args[0])(context, builder, args[0])
+        index_value = context.cast(builder, args[1], signature.args[1], types.intp)
         one = context.get_constant(types.int64, 1)
-        return builder.atomic_rmw("add", array.data, one, "monotonic")
+        return builder.atomic_rmw("add", builder.gep(array.data, [index_value]), one, "acq_rel")
 
-    return types.int64(counter), codegen
+    return types.int64(counters, index), codegen
 
 
 @intrinsic
@@ -206,7 +208,7 @@ def _prefetch_row(cache, row_start, step):
 
 
 @njit(nogil=True, fastmath=FASTMATH)
-def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block, next_rows):
+def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block):
     """scores[g, t] = q[h0 + g] . k[t] for the n valid rows of one K block, and block_max[g] = max_t scores.
 
     Four rows at a time, the group's heads in quads, then a pair, then a single head (the group's remainder
@@ -224,8 +226,7 @@ def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block, n
     quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
     for t in range(0, n4, 4):
         for r in range(4):
-            if t + r < next_rows:
-                _prefetch_row(k_cache, next_block + (t + r) * dim, step)
+            _prefetch_row(k_cache, next_block + (t + r) * dim, step)
         for g in range(0, quads, 4):
             a0 = a1 = a2 = a3 = b0 = b1 = b2 = b3 = np.float32(0.0)
             c0 = c1 = c2 = c3 = e0 = e1 = e2 = e3 = np.float32(0.0)
@@ -286,8 +287,7 @@ def _block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block, n
             scores[g, t], scores[g, t + 1], scores[g, t + 2], scores[g, t + 3] = a, b, c, e
             block_max[g] = max(block_max[g], max(max(a, b), max(c, e)))
     for t in range(n4, n):
-        if t < next_rows:
-            _prefetch_row(k_cache, next_block + t * dim, step)
+        _prefetch_row(k_cache, next_block + t * dim, step)
         for g in range(group):
             scores[g, t] = _dot(q, h0 + g, kb, t)
             block_max[g] = max(block_max[g], scores[g, t])
@@ -323,7 +323,7 @@ def _softmax_update(scores, n, block_maxes, running_max, running_sum, acc):
 
 
 @njit(nogil=True, fastmath=FASTMATH)
-def _block_values(vb, n, scores, acc, v_cache, next_block, next_rows):
+def _block_values(vb, n, scores, acc, v_cache, next_block):
     """acc[g] += sum_t p[g, t] * v[t], four V rows per pass, so each accumulator row is loaded and stored once
     per four V rows instead of once per row: the group's heads in quads, then a pair (group 2 runs only this
     one), then a single head, so that every widened V element feeds as many heads as the group has left. The
@@ -334,8 +334,7 @@ def _block_values(vb, n, scores, acc, v_cache, next_block, next_rows):
     quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
     for t in range(0, n4, 4):
         for r in range(4):
-            if t + r < next_rows:
-                _prefetch_row(v_cache, next_block + (t + r) * dim, step)
+            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
         for g in range(0, quads, 4):
             a0, a1, a2, a3 = scores[g, t], scores[g + 1, t], scores[g + 2, t], scores[g + 3, t]
             b0, b1, b2, b3 = scores[g, t + 1], scores[g + 1, t + 1], scores[g + 2, t + 1], scores[g + 3, t + 1]
@@ -360,8 +359,7 @@ def _block_values(vb, n, scores, acc, v_cache, next_block, next_rows):
                 acc[g, d] += a * widen(vb[t, d]) + b * widen(vb[t + 1, d]) + c * widen(vb[t + 2, d]) \
                     + e * widen(vb[t + 3, d])
     for t in range(n4, n):
-        if t < next_rows:
-            _prefetch_row(v_cache, next_block + t * dim, step)
+        _prefetch_row(v_cache, next_block + t * dim, step)
         for g in range(group):
             p = scores[g, t]
             for d in range(dim):
@@ -379,30 +377,21 @@ def _attend_split(q, k_cache, v_cache, table_row, context_len, h, first, last, a
     running_max[:] = -np.inf
     running_sum[:] = 0.0
     acc[:] = 0.0
-    # Software prefetch runs PREFETCH_ROWS rows ahead (whole blocks), the first stretch in one burst. Only rows
-    # inside the context: a block's unused tail is never read, and prefetching it anyway made a step of 22 rows
-    # x 16 tokens read a whole 64-row block per (row, kv head) (H100 host, 2026-11-22).
+    # Software prefetch runs PREFETCH_ROWS rows ahead (whole blocks), the first stretch in one burst.
     distance = (PREFETCH_ROWS + block_size - 1) // block_size
     for j in range(first, min(first + distance, last)):
         start = (table_row[j] * num_kv_heads + h) * block_size * dim
-        for c in range(0, _rows_in_block(context_len, j, block_size) * dim, CACHE_LINE_BYTES // k_cache.itemsize):
+        for c in range(0, block_size * dim, CACHE_LINE_BYTES // k_cache.itemsize):
             _prefetch(k_cache, start + c)
             _prefetch(v_cache, start + c)
     for j in range(first, last):
         block = table_row[j]
-        n = _rows_in_block(context_len, j, block_size)
-        next_rows = _rows_in_block(context_len, j + distance, block_size) if j + distance < last else 0
-        ahead = table_row[j + distance] if next_rows else block
+        n = min(block_size, context_len - j * block_size)
+        ahead = table_row[j + distance] if j + distance < last else block
         next_block = (ahead * num_kv_heads + h) * block_size * dim
-        _block_scores(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_block, next_rows)
+        _block_scores(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_block)
         _softmax_update(scores, n, block_max, running_max, running_sum, acc)
-        _block_values(v_cache[block, h], n, scores, acc, v_cache, next_block, next_rows)
-
-
-@njit(inline="always")
-def _rows_in_block(context_len, j, block_size):
-    """Rows of block j (of a table row) that hold context tokens."""
-    return min(block_size, context_len - j * block_size)
+        _block_values(v_cache[block, h], n, scores, acc, v_cache, next_block)
 
 
 @njit(nogil=True, fastmath=FASTMATH)
@@ -425,6 +414,32 @@ def _merge_splits(part_acc, part_max, part_sum, first, stop, stride, g, out_row)
     for d in range(out_row.shape[0]):
         out_row[d] *= inv
     return top + math.log(total)
+
+
+@njit(nogil=True, cache=True)
+def _work_plan(context_lens, block_size, num_kv_heads, group, dim, chunk_blocks, num_threads):
+    """The items of one kernel call and room for their partials: (chunk_blocks, offsets, split_seq, part_acc,
+    part_max, part_sum). split_seq[s] is the sequence split s belongs to; an item is (split, kv head)."""
+    if chunk_blocks <= 0:
+        chunk_blocks = plan_chunk_blocks(context_lens, block_size, num_kv_heads, num_threads)
+    batch = context_lens.shape[0]
+    offsets = plan_split_offsets(context_lens, block_size, chunk_blocks)
+    split_seq = np.empty(offsets[batch], np.int64)
+    for b in range(batch):
+        split_seq[offsets[b]:offsets[b + 1]] = b
+    num_items = offsets[batch] * num_kv_heads
+    part_acc = np.empty((num_items, group, dim), np.float32)
+    part_max = np.empty((num_items, group), np.float32)
+    part_sum = np.empty((num_items, group), np.float32)
+    return chunk_blocks, offsets, split_seq, part_acc, part_max, part_sum
+
+
+@njit(nogil=True, cache=True)
+def _worker_scratch(num_workers, block_size, group):
+    """Per worker: scores [group, block_size], then block max, running max and running sum, then an unused row,
+    rows padded to 64 bytes, so no two workers ever write into one cache line."""
+    stride = (max(block_size, group) + 15) // 16 * 16
+    return np.empty((num_workers, group + 4, stride), np.float32)
 
 
 @njit(nogil=True, fastmath=FASTMATH)
@@ -465,30 +480,19 @@ def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks,
     error = _check_tables(block_tables, context_lens, num_blocks, block_size)
     if error:
         return error
-    if chunk_blocks <= 0:
-        chunk_blocks = plan_chunk_blocks(context_lens, block_size, num_kv_heads, num_threads)
-    offsets = plan_split_offsets(context_lens, block_size, chunk_blocks)
-    num_splits = offsets[batch]
-    split_seq = np.empty(num_splits, np.int64)
-    for b in range(batch):
-        split_seq[offsets[b]:offsets[b + 1]] = b
-    num_items = num_splits * num_kv_heads
-    part_acc = np.empty((num_items, group, dim), np.float32)
-    part_max = np.empty((num_items, group), np.float32)
-    part_sum = np.empty((num_items, group), np.float32)
+    chunk_blocks, offsets, split_seq, part_acc, part_max, part_sum = _work_plan(
+        context_lens, block_size, num_kv_heads, group, dim, chunk_blocks, num_threads)
+    num_items = part_acc.shape[0]
     tickets = np.zeros(1, np.int64)
     num_workers = min(num_threads, num_items)
-    # Per worker: scores [group, block_size], then block max, running max and running sum, then an unused row,
-    # rows padded to 64 bytes, so no two workers ever write into one cache line.
-    stride = (max(block_size, group) + 15) // 16 * 16
-    scratch = np.empty((num_workers, group + 4, stride), np.float32)
+    scratch = _worker_scratch(num_workers, block_size, group)
     for w in prange(num_workers):
         scores, stats = scratch[w, :group], scratch[w, group:group + 3]  # whole rows keep them C-contiguous
-        item = _take_ticket(tickets)
+        item = _count(tickets, 0)
         while item < num_items:
             _attend_item(item, q, k_cache, v_cache, block_tables, context_lens, split_seq, offsets, chunk_blocks,
                          part_acc, part_max, part_sum, scores, stats)
-            item = _take_ticket(tickets)
+            item = _count(tickets, 0)
     for row in prange(batch * num_q_heads):
         _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out, lse)
     return 0
@@ -539,22 +543,6 @@ def _cycles(typingctx):
         return builder.call(fn, [])
 
     return types.int64(), codegen
-
-
-@intrinsic
-def _count(typingctx, counters, index):
-    """Atomic counters[index] += 1 with acquire-release order, returning the old value. As a ticket it hands out
-    work items; as a tally of finished items, whoever reads the total (with acquire) sees every item's writes."""
-    if not (isinstance(counters, types.Array) and counters.dtype == types.int64):
-        return None
-
-    def codegen(context, builder, signature, args):
-        array = context.make_array(signature.args[0])(context, builder, args[0])
-        index_value = context.cast(builder, args[1], signature.args[1], types.intp)
-        one = context.get_constant(types.int64, 1)
-        return builder.atomic_rmw("add", builder.gep(array.data, [index_value]), one, "acq_rel")
-
-    return types.int64(counters, index), codegen
 
 
 @intrinsic
@@ -646,19 +634,12 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
                 return ABANDONED
             _store_release(gates[1], layer, 1)
         return error
-    chunk_blocks = plan_chunk_blocks(context_lens, block_size, num_kv_heads, num_threads)
-    offsets = plan_split_offsets(context_lens, block_size, chunk_blocks)
-    split_seq = np.empty(offsets[batch], np.int64)
-    for b in range(batch):
-        split_seq[offsets[b]:offsets[b + 1]] = b
-    num_items, num_rows = offsets[batch] * num_kv_heads, batch * num_q_heads
-    part_acc = np.empty((num_items, group, dim), np.float32)
-    part_max = np.empty((num_items, group), np.float32)
-    part_sum = np.empty((num_items, group), np.float32)
+    chunk_blocks, offsets, split_seq, part_acc, part_max, part_sum = _work_plan(
+        context_lens, block_size, num_kv_heads, group, dim, 0, num_threads)
+    num_items, num_rows = part_acc.shape[0], batch * num_q_heads
     wide = np.empty((batch, num_q_heads, dim), np.float32)
     counts = np.zeros((num_layers, 6 * _LINE), np.int64)
-    stride = (max(block_size, group) + 15) // 16 * 16  # scratch rows as decode_kernel's
-    scratch = np.empty((num_threads, group + 4, stride), np.float32)
+    scratch = _worker_scratch(num_threads, block_size, group)
     scale32 = np.float32(scale)
     for w in prange(num_threads):
         scores, stats = scratch[w, :group], scratch[w, group:group + 3]
