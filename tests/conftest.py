@@ -79,7 +79,7 @@ def _close_engines(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _host_lane_always_pays(request, monkeypatch):
-    """The engine's cost check (placement.host_lane_pays) decides from step times it measures, so on a busy
+    """The engine's cost checks (placement.host_lane_pays, host_step_pays) decide from step times it measures, so on a busy
     CI machine whether a test's sequences reach the host tier would depend on timing. Engine tests pin it to
     "pays" to exercise the paths they are about; tests marked `real_cost_check`, and tests/engine/
     test_lane_costs.py (which calls the function itself), check the rule."""
@@ -87,6 +87,7 @@ def _host_lane_always_pays(request, monkeypatch):
         from offload_engine.engine import placement
 
         monkeypatch.setattr(placement, "host_lane_pays", lambda *args, **kwargs: True)
+        monkeypatch.setattr(placement, "host_step_pays", lambda host_rows, *args: bool(host_rows))
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,8 @@ never idles while the host lane decodes the tail of a batch. Host sequences that
 for sit out the next host step (Scheduler.promotion_hold_back), so they are at hand when it does, except
 where a host step holds the executor from start to end (CUDA: engine/host_step_graphs.py); there promotions
 happen between host steps. Both
-lanes' step times feed LaneStats, which placement's cost check predicts from.
+lanes' step times feed LaneStats, which placement's cost checks predict from: whether a waiting request joins the
+host lane, and whether the host lane steps at all while the device lane has rows (placement.host_step_pays).
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -100,7 +101,8 @@ class LLMEngine:
             horizon = self.host_step_seconds / max(self.device_step_seconds, 1e-4) + 1
             hold_back = (frozenset() if self.runner.host_step_holds_executor
                          else self.scheduler.promotion_hold_back(horizon))
-            self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU, hold_back=hold_back))
+            if self.scheduler.host_step_pays():
+                self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU, hold_back=hold_back))
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
         demoted = self.scheduler.take_demotions()
         if demoted:
@@ -113,19 +115,22 @@ class LLMEngine:
                 self.stats.device_step_done(len(batch), self.device_step_seconds, host_busy)
             num_tokens += len(batch)
             self.decoded_by_lane["device"] += len(batch)
-        elif self.in_flight is not None:
-            more, count = self._take_host_step(wait=True)  # nothing else to do until it is back
+        elif self.in_flight is not None or self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU)):
+            # Nothing else to do until it is back. (A lane the cost check held back steps here too, once the
+            # device lane has no rows left this step.)
+            more, count = self._take_host_step(wait=True)
             finished, num_tokens = finished + more, num_tokens + count
         elif not num_tokens:
             raise RuntimeError("the scheduler found no runnable work although requests are pending")
         return StepStats(False, num_tokens, time.perf_counter() - start, finished)
 
-    def _start_host_step(self, batch: list[Sequence]) -> None:
+    def _start_host_step(self, batch: list[Sequence]) -> bool:
         if not batch:
-            return
+            return False
         for seq in batch:
             seq.in_flight = True
         self.in_flight = (batch, self.host_lane.submit(self._host_step, batch))
+        return True
 
     def _host_step(self, batch: list[Sequence]) -> list[int]:
         """One host-lane decode step, on the host lane's thread, timed for the cost check."""

@@ -13,7 +13,11 @@
     admitted (as "gpu" re-admits its preempted sequences first).
   - The cost check: a waiting sequence joins the host lane only when that is predicted to add throughput
     (`host_lane_pays`), otherwise it waits as under "gpu". Demotion has no check: its alternative is a
-    recompute, not a wait (`demotes`).
+    recompute, not a wait (`demotes`), and a demoted sequence keeps its KV whether or not the lane runs.
+  - The host lane itself steps only while it pays with all its rows (`host_step_pays`): where the device
+    lane is bound by the GPU, a host step is a whole forward pass for its few rows and costs the device lane
+    about a step of its own. Host sequences then wait, with their KV, for device room, as swapped-out
+    sequences do; the lane always steps when the device lane has no rows.
   - A sequence larger than the whole device pool can only live on the host tier.
 """
 from collections.abc import Iterable, Iterator
@@ -91,6 +95,24 @@ def host_lane_pays(seq: Sequence, running: Iterable[Sequence], stats: LaneStats 
         return rate_after > stats.device_tok_s.value * (1 - 1 / stats.slowdown)
     before, after = _host_rate(host_tokens, stats), _host_rate(host_tokens + [len(seq)], stats)
     return before is None or after is None or after > before
+
+
+def host_step_pays(host_rows: list[Sequence], device_rows: int, stats: LaneStats | None) -> bool:
+    """Whether the host lane should take a step now with these rows: its predicted tokens per second against
+    what it costs the device lane at the measured slowdown (device tok/s x (1 - 1/slowdown)), the rule that
+    admission applies to one row, applied to the lane as it stands.
+
+    Measured on the H100 host (2026-11-22, benchmarks/NOTES.md): 8B, 64 x (1024 + 1024) at a 24 GB card's
+    device budget, the lane gave 63 tok/s while the device lane's 1,409 lost 1 - 1/1.10 of its rate (~125);
+    every other point of the decode-heavy suite had it paying (195 > 138, 217 > 76, 183 > 77). Steps when the
+    device lane has no rows, and until both costs are measured."""
+    if not host_rows:
+        return False
+    if not device_rows or stats is None or stats.kv_bytes_per_token is None or not stats.device_tok_s.value:
+        return True
+    rate = _host_rate([len(s) for s in host_rows], stats)
+    return rate is None or _checked("host_step", rate > stats.device_tok_s.value * (1 - 1 / stats.slowdown),
+                                    stats)
 
 
 def _host_rate(row_tokens: list[int], stats: LaneStats) -> float | None:

@@ -14,6 +14,7 @@ from collections import deque
 from collections.abc import Iterator
 from itertools import islice
 
+from offload_engine.engine import placement
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.placement import choose_tier, demotes, promotions
@@ -93,6 +94,13 @@ class Scheduler:
                 seq.num_scheduled_tokens = 1
                 batch.append(seq)
         return batch
+
+    def host_step_pays(self) -> bool:
+        """Whether the host lane should step now (placement.host_step_pays), over its decodable rows."""
+        decoding = [s for s in self.running if not s.in_prefill and s.status == SequenceStatus.RUNNING]
+        host = [s for s in decoding if s.location == BlockLocation.CPU and not s.in_flight]
+        device_rows = sum(s.location == BlockLocation.GPU for s in decoding)
+        return placement.host_step_pays(host, device_rows, self.stats)
 
     def take_demotions(self) -> list[tuple[Sequence, list[int]]]:
         """The sequences schedule_decode demoted, each with the device blocks that still hold its KV until the

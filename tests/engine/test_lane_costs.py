@@ -3,7 +3,7 @@ import pytest
 
 from offload_engine import SamplingParams
 from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.placement import host_lane_pays
+from offload_engine.engine.placement import host_lane_pays, host_step_pays
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 KV_BYTES = 1000  # per token
@@ -83,6 +83,42 @@ def test_starting_the_lane_must_beat_what_it_costs_the_device_lane():
     assert host_lane_pays(_host_seq(1000), [], stats)
 
 
+def test_the_host_lane_steps_only_while_it_pays_with_all_its_rows():
+    stats = _measured(fixed=0.02, per_byte=1e-9)  # a host step: 20 ms + 1 ms per row of 1k tokens
+    assert host_step_pays([_host_seq(1000)], 64, LaneStats(KV_BYTES))  # nothing measured: the lane is tried
+    for _ in range(40):
+        stats.device_step_done(rows=64, seconds=0.010, host_busy=False)  # ~6,400 tok/s
+        stats.device_step_done(rows=64, seconds=0.0105, host_busy=True)  # 5% slower: ~300 tok/s lost
+    few, many = [_host_seq(1000) for _ in range(4)], [_host_seq(1000) for _ in range(40)]
+    assert not host_step_pays(few, 64, stats)  # 4 rows in 24 ms: ~170 tok/s
+    assert host_step_pays(many, 64, stats)  # 40 rows in 60 ms: ~670 tok/s
+    assert host_step_pays(few, 0, stats)  # no device rows: nothing to slow down
+    assert not host_step_pays([], 0, stats)
+    assert stats.checks[("host_step", False)] == 1 and stats.checks[("host_step", True)] == 1
+
+
+@pytest.mark.real_cost_check
+def test_a_held_back_host_lane_still_finishes_every_request(qwen3_dir, monkeypatch):
+    """With the lane's check saying no to every step, host-tier sequences wait for device room (promotion) or
+    step once the device lane has no rows: nothing is lost and greedy output stays exact."""
+    from offload_engine import LLM
+    from offload_engine.engine import placement
+    from tests.conftest import TEST_DEVICE
+    from tests.oracle import hf_greedy, random_prompts
+
+    monkeypatch.setattr(placement, "host_step_pays", lambda *args: False)
+    prompts = random_prompts((30, 31, 29, 30, 33, 20), 256, seed=104)
+    refs = hf_greedy(qwen3_dir, prompts, 20)
+    for kwargs in ({"kv_placement": "auto", "num_gpu_blocks": 8}, {"kv_placement": "cpu"}):
+        llm = LLM(qwen3_dir, device=TEST_DEVICE, num_cpu_blocks=40, cpu_block_size=16, **kwargs)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
+        assert len(outputs) == len(prompts)
+        for output, ref in zip(outputs, refs):
+            assert output.token_ids[: len(ref)] == ref
+        assert llm.engine.scheduler.num_preemptions == 0
+        llm.close()
+
+
 @pytest.mark.real_cost_check
 def test_overflow_is_demoted_even_where_the_host_lane_costs_more_than_it_adds(qwen3_dir):
     """As measured here the host lane is slow (1 s a step) and halves the device lane's speed, so the cost check
@@ -104,6 +140,7 @@ def test_overflow_is_demoted_even_where_the_host_lane_costs_more_than_it_adds(qw
     prompts = random_prompts((30, 31, 29, 30, 33, 20), 256, seed=103)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)
     assert stats.checks[("admit", False)] >= 1  # the idle lane was not woken for a waiting request
+    assert stats.checks[("host_step", False)] >= 1  # nor did it step for its demoted rows beside the device's
     assert llm.engine.scheduler.num_demotions >= 1 and llm.engine.scheduler.num_preemptions == 0
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 20)):
         assert output.token_ids[: len(ref)] == ref
