@@ -3,9 +3,9 @@
 A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens` tokens) or a decode step
 (one token for every running sequence of one tier: decode runs in two lanes, see engine/llm_engine.py).
 Prefill goes first, so new requests join the batch as soon as a tier has room for them. When a decode step
-finds no room for a sequence's next token, the newest sequence on the same tier gives up its blocks: under
-"auto" a device sequence is demoted to the host tier where placement allows (its KV is copied, it goes on
-decoding in the host lane), otherwise it is preempted and recomputed later. Sequences in flight in the host
+finds no room for a sequence's next token, a sequence on the same tier gives up its blocks: under "auto" device
+sequences nearest their end are demoted to the host tier first, where placement allows (their KV is copied, they
+go on decoding in the host lane); otherwise the newest is preempted and recomputed later. Sequences in flight in the host
 lane are never touched. No request is dropped. With kv_promotion ("auto"), host-tier sequences move back up
 into device room before new requests take it (schedule_promotions). Which tier, and whether a move pays, is
 engine/placement.py's to say.
@@ -17,7 +17,7 @@ from itertools import islice
 from offload_engine.engine import placement
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.placement import choose_tier, demotes, promotions
+from offload_engine.engine.placement import choose_tier, demotes, demotion_order, promotions
 from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
 
 
@@ -78,6 +78,8 @@ class Scheduler:
 
     def schedule_decode(self, tier: BlockLocation, hold_back: frozenset[int] = frozenset()) -> list[Sequence]:
         """One token for every running, prefilled sequence on `tier` that is not in flight or held back."""
+        if tier == BlockLocation.GPU and self.kv_placement == "auto":
+            self._demote_for_room()
         batch = []
         for seq in list(self.running):
             if seq.location != tier or seq.in_flight or seq.in_prefill or seq.status != SequenceStatus.RUNNING:
@@ -134,6 +136,21 @@ class Scheduler:
         if not freeing:
             return frozenset()
         return frozenset(s.seq_id for s in promotions(self.running, self.blocks, extra_room=freeing))
+
+    def _demote_for_room(self) -> None:
+        """Frees the device blocks this step's rows need for their next tokens, by demoting the device rows
+        nearest their end first (placement.demotion_order). What the host pool cannot take is left to
+        schedule_decode's preemption of the newest row."""
+        pool = self.blocks.pool(BlockLocation.GPU)
+        rows = [s for s in self.running if s.location == BlockLocation.GPU and not s.in_flight
+                and not s.in_prefill and s.status == SequenceStatus.RUNNING]
+        needs = {s.seq_id: pool.blocks_for(len(s)) > len(s.block_table) for s in rows}
+        needed = sum(needs.values())
+        for victim in demotion_order(rows):
+            if needed <= pool.num_free or not demotes(victim, self.kv_placement, self.blocks):
+                return
+            self._make_room(victim)
+            needed -= needs[victim.seq_id]
 
     def _newest_on_tier(self, seq: Sequence) -> Sequence:
         """The most recently admitted running sequence on seq's tier (seq itself if it is the newest)."""

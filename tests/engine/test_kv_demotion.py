@@ -136,6 +136,44 @@ def test_auto_admits_to_the_device_exactly_what_gpu_admits():
     assert admitted["auto"] == admitted["gpu"] == [9, 7, 12, 3]
 
 
+def _decoding(scheduler, blocks, prompt_len, tokens_left, tier):
+    """A running sequence of prompt_len tokens on tier whose next token starts a new block."""
+    from offload_engine.engine.sequence import SequenceStatus
+
+    seq = Sequence(list(range(prompt_len)), SamplingParams(max_tokens=64), budget=prompt_len + 1 + tokens_left)
+    blocks.allocate(seq, tier)
+    seq.num_computed_tokens, seq.status = prompt_len, SequenceStatus.RUNNING
+    seq.token_ids.append(7)  # sampled last step: its KV is this step's to write
+    scheduler.running.append(seq)
+    return seq
+
+
+def test_demotion_takes_the_row_nearest_its_end_and_promotion_the_row_furthest_from_it():
+    from offload_engine.engine.scheduler import Scheduler
+
+    blocks = BlockManager(num_gpu_blocks=6, block_size=4, num_cpu_blocks=16, cpu_block_size=4)
+    scheduler = Scheduler(blocks, "auto", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                          eos_token_ids=(), kv_promotion=True)
+    # Three device rows fill the pool and each needs a third block now: demoting one (2 blocks) makes room.
+    old, near_end, new = (_decoding(scheduler, blocks, 8, left, GPU) for left in (20, 3, 12))
+    assert scheduler.schedule_decode(GPU) == [old, new]
+    assert [seq for seq, _ in scheduler.take_demotions()] == [near_end] and near_end.location == CPU
+    # Among equals the newest goes, as "gpu" preempts.
+    blocks = BlockManager(num_gpu_blocks=6, block_size=4, num_cpu_blocks=16, cpu_block_size=4)
+    scheduler = Scheduler(blocks, "auto", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                          eos_token_ids=(), kv_promotion=True)
+    rows = [_decoding(scheduler, blocks, 8, 5, GPU) for _ in range(3)]
+    assert scheduler.schedule_decode(GPU) == rows[:2] and rows[2].location == CPU
+    # Promotion: device room (3 blocks) for one of two host rows: the one with more tokens to go, though newer.
+    scheduler.finish(rows[0])
+    scheduler.finish(rows[1])
+    blocks.allocate(Sequence(list(range(12)), SamplingParams(max_tokens=4), budget=16), GPU)
+    few_left, many_left = (_decoding(scheduler, blocks, 8, left, CPU) for left in (2, 9))
+    assert blocks.pool(GPU).num_free == 3  # room for one row of 9 tokens and its next
+    assert [seq for seq, _ in scheduler.schedule_promotions()] == [many_left]
+    assert few_left.location == rows[2].location == CPU  # rows[2]: 5 tokens left
+
+
 def test_moves_split_so_one_layer_of_a_batch_fits_a_staging_slot(monkeypatch):
     from offload_engine.engine import move_staging
 
