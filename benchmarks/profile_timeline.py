@@ -97,4 +97,5 @@ if host_steps:
                        "work_gbps_deciles": [round(sum(h[2] for h in x) / sum(h[4] for h in x) / 1e9, 1) for x in sl if x]}
 print(json.dumps(summary))
 with open(os.path.join(os.environ.get("OUT", "."), f"timeline_{placement}{'_' + args.tag if args.tag else ''}.json"), "w") as f:
-    json.dump({"summary": summary, "result": r, "host_steps": host_steps}, f, indent=1)
+    json.dump({"summary": summary, "result": r, "host_steps": host_steps,
+               "device_steps": [(round(t, 4), p, rows, round(sec, 5)) for t, p, rows, sec, _ in steps]}, f)

@@ -4,13 +4,21 @@ Demotion (engine/placement.py says when) moves a decoding device-tier sequence t
 device pool has no block for some sequence's next token: instead of being preempted and recomputed, it goes
 on decoding in the host lane. Its KV crosses PCIe once.
 
-Per group of layers: on the device, the sequences' tokens are gathered from their token-major slots and laid
-out as the host tier's head-major blocks (one padded host block per `cpu_block_size` tokens) in a staging
-slot's device half; one copy takes the group to the slot's pinned half; on the host executor, numba scatters
-the blocks into the sequences' host blocks. The device half is queued on the device lane's stream before the
-step that reuses the freed device blocks, so it reads the KV before anything overwrites it. The host half
-joins the executor's queue, which every later reader of those host blocks (host decode, prefix staging,
-promotion) also goes through, so nothing here waits for it.
+On the device, the sequences' tokens are gathered from their token-major slots and laid out as the host
+tier's head-major blocks (one padded host block per `cpu_block_size` tokens). Then, two ways across:
+- `write_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_layers): the device writes
+  the blocks straight into the host pool over PCIe, on the device lane's stream. The engine's thread only
+  queues the kernels; the runner records when they are done, and the host lane and every other reader of
+  host blocks waits for that (ModelRunner.demote). The staged way below took 47 ms of the engine's thread a
+  demotion on the H100 host (8B, ~2k tokens each, 106 demotions: 5.0 s of a 41 s run; 2026-11-22,
+  profile_timeline.py), waiting for staging slots whose host halves the executor frees only after the host
+  lane's step, which holds it from start to end.
+- `copy_to_host` (any device): per group of layers, one copy takes the blocks to a staging slot's pinned half,
+  and on the host executor numba scatters them into the sequences' host blocks. That joins the executor's
+  queue, which every later reader of those host blocks (host decode, prefix staging, promotion) also goes
+  through, so nothing here waits for it.
+Either way the device half is queued on the device lane's stream before the step that reuses the freed device
+blocks, so it reads the KV before anything overwrites it.
 """
 import numpy as np
 import torch
@@ -32,9 +40,25 @@ def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_layers, host_la
             for write in _copy_batch(batch, device_layers, host_layers, executor, device_block_size, staging)]
 
 
-def _copy_batch(moves, device_layers, host_layers, executor, device_block_size: int, staging: MoveStaging) -> list:
-    _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
+def write_mapped(moves: list[tuple[Sequence, list[int]]], device_layers, mapped_layers, device_block_size: int) -> None:
+    """moves as copy_to_host's; mapped_layers: the host pool's (K, V) per layer as tensors on the device.
+    Returns once the writes are queued on the current stream: nothing may read the host blocks before they
+    have run (ModelRunner.demote records when)."""
+    _, num_kv_heads, host_block_size, head_dim = mapped_layers[0][0].shape
     device = device_layers[0][0].device
+    slots, rows, targets = _plan(moves, host_block_size, device_block_size)
+    slots, rows, targets = (torch.from_numpy(x).to(device, non_blocking=True) for x in (slots, rows, targets))
+    staged = torch.empty((1, 2, len(targets), num_kv_heads, host_block_size, head_dim),
+                         dtype=mapped_layers[0][0].dtype, device=device)
+    token_rows = _padded_token_rows(staged)
+    for layer in range(len(device_layers)):
+        _stage_on_device(device_layers, range(layer, layer + 1), slots, rows, staged, token_rows)
+        for j, cache in enumerate(mapped_layers[layer]):
+            cache.index_copy_(0, targets, staged[0, j])
+
+
+def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each moved token's device slot, its row among the staged host blocks, and the host blocks in order."""
     slots, rows, targets = [], [], []
     for seq, device_blocks in moves:
         num_tokens = seq.num_computed_tokens
@@ -42,9 +66,16 @@ def _copy_batch(moves, device_layers, host_layers, executor, device_block_size: 
         rows.append(len(targets) * host_block_size + np.arange(num_tokens))
         slots.append(slots_for(device_blocks, device_block_size, 0, num_tokens))
         targets += seq.block_table[: -(-num_tokens // host_block_size)]
-    slots = torch.from_numpy(np.concatenate(slots)).to(device, non_blocking=True)
-    rows = torch.from_numpy(np.concatenate(rows)).to(device, non_blocking=True)
-    targets = torch.tensor(targets, dtype=torch.int64)
+    return np.concatenate(slots), np.concatenate(rows), np.array(targets, dtype=np.int64)
+
+
+def _copy_batch(moves, device_layers, host_layers, executor, device_block_size: int, staging: MoveStaging) -> list:
+    _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
+    device = device_layers[0][0].device
+    slots, rows, targets = _plan(moves, host_block_size, device_block_size)
+    slots = torch.from_numpy(slots).to(device, non_blocking=True)
+    rows = torch.from_numpy(rows).to(device, non_blocking=True)
+    targets = torch.from_numpy(targets)
     block_shape = (len(targets), num_kv_heads, host_block_size, head_dim)
     layer_bytes = 2 * host_layers[0][0].element_size() * int(np.prod(block_shape))
     group = max(1, GROUP_BYTES // max(1, layer_bytes))
@@ -52,7 +83,7 @@ def _copy_batch(moves, device_layers, host_layers, executor, device_block_size: 
     for first in range(0, len(device_layers), group):
         layers = range(first, min(first + group, len(device_layers)))
         slot, host_buffer, device_buffer = staging.take((len(layers), 2, *block_shape), host_layers[0][0].dtype)
-        _stage_on_device(device_layers, layers, slots, rows, device_buffer)
+        _stage_on_device(device_layers, layers, slots, rows, device_buffer, _padded_token_rows(device_buffer))
         host_buffer.copy_(device_buffer, non_blocking=True)
         write = executor.submit(_scatter_layers, _record_event(device), host_buffer, host_layers, layers, targets)
         staging.busy_until(slot, write)  # the slot is free again once the host blocks have been written
@@ -60,11 +91,16 @@ def _copy_batch(moves, device_layers, host_layers, executor, device_block_size: 
     return writes
 
 
-def _stage_on_device(device_layers, layers: range, slots, rows, staged: torch.Tensor) -> None:
-    """staged [len(layers), 2, blocks, Hkv, block_size, D] <- the tokens in host-block layout, padding rows zero."""
+def _padded_token_rows(staged: torch.Tensor) -> torch.Tensor:
+    """Scratch for _stage_on_device: one layer's tokens, token-major, zero where a host block has no token."""
     _, _, num_blocks, num_kv_heads, block_size, head_dim = staged.shape
-    cache = device_layers[0][0]
-    token_rows = torch.zeros((num_blocks * block_size, num_kv_heads, head_dim), dtype=cache.dtype, device=cache.device)
+    return torch.zeros((num_blocks * block_size, num_kv_heads, head_dim), dtype=staged.dtype, device=staged.device)
+
+
+def _stage_on_device(device_layers, layers: range, slots, rows, staged: torch.Tensor, token_rows: torch.Tensor) -> None:
+    """staged [len(layers), 2, blocks, Hkv, block_size, D] <- the tokens in host-block layout, padding rows zero
+    (token_rows: _padded_token_rows(staged), reusable: every call writes the same rows)."""
+    _, _, num_blocks, num_kv_heads, block_size, head_dim = staged.shape
     for i, layer in enumerate(layers):
         for j, pool in enumerate(device_layers[layer]):
             token_rows[rows] = pool.view(-1, num_kv_heads, head_dim)[slots]

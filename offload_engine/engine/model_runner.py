@@ -9,7 +9,7 @@ from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.pinned_ring import PinnedRing
-from offload_engine.engine.sequence import Sequence
+from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.layers.attention_backends import select_backend
 from offload_engine.layers.sampler import SamplingBatch, largest_sampling_step, sample
@@ -31,6 +31,7 @@ class ModelRunner:
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
         self._promotion_reads = None  # CUDA event: the latest promotion's direct reads of host blocks are done
+        self._demotion_writes = None  # CUDA event: the latest demotion's direct writes into host blocks are done
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
         self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
@@ -190,6 +191,7 @@ class ModelRunner:
             self.ring = None
         if self.model is not None:
             self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
+        self._wait_demotion_writes()  # no device write may land in host memory once it is unpinned
         if self.host_pool is not None:
             self.host_pool.close()  # unpinned before the memory can go
             self.host_pool = None
@@ -216,17 +218,35 @@ class ModelRunner:
 
     def demote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
         """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
-        device has the copies queued; the host writes finish on the executor (engine/kv_demotion.py)."""
-        from offload_engine.engine.kv_demotion import copy_to_host
+        device has the copies queued: where the device writes the pinned pool directly, everything that reads
+        host blocks on the host waits for them first (_wait_demotion_writes); otherwise the host writes finish
+        on the executor, in front of every such reader (engine/kv_demotion.py)."""
+        from offload_engine.engine.kv_demotion import copy_to_host, write_mapped
 
+        mapped = self.host_pool.device_layers()
         with torch.inference_mode(), self._lane_stream("device"):
-            self._host_writes += copy_to_host(moves, self.device_pool, self.host_pool.layers, self.executor,
-                                              self.cfg.block_size, self.move_staging)
+            if mapped is None:
+                self._host_writes += copy_to_host(moves, self.device_pool, self.host_pool.layers, self.executor,
+                                                  self.cfg.block_size, self.move_staging)
+                return
+            write_mapped(moves, self.device_pool, mapped, self.cfg.block_size)
+            self._demotion_writes = torch.cuda.Event()
+            self._demotion_writes.record()
+
+    def _wait_demotion_writes(self) -> None:
+        """Blocks until the device's direct writes of demoted KV into host blocks have landed. Called from both
+        lanes' threads, so it only reads the event: clearing it here could drop one the other thread just
+        recorded."""
+        writes = self._demotion_writes
+        if writes is not None:
+            writes.synchronize()
 
     def check_host_writes(self, wait: bool = False) -> None:
         """Raises the error of a host-pool write that failed on the executor; with wait, first lets all finish.
         Nothing waits for these writes otherwise: every later reader of those host blocks runs on the executor
         after them (host decode, prefix staging, promotion), so the device lane never does."""
+        if wait:
+            self._wait_demotion_writes()
         pending, self._host_writes = self._host_writes, []
         for write in pending:
             if wait or write.done():
@@ -239,6 +259,7 @@ class ModelRunner:
         a write that failed belongs to the aborted call, not to the next one."""
         if self.executor is not None:
             self.executor.drain()
+        self._wait_demotion_writes()
         self._host_writes = []
 
     def _lane_stream(self, lane: str):
@@ -257,6 +278,9 @@ class ModelRunner:
             # The host step writes its new tokens into host blocks that a queued promotion may still read; the
             # other host writers (demotion, prefill) queue their copies on the device lane's stream, after it.
             self._promotion_reads.synchronize()
+        if lane == "host" or (is_prefill and any(s.location == BlockLocation.CPU for s in seqs)):
+            # Host kernels read (and prefix staging gathers) host blocks that demoted KV may still be landing in.
+            self._wait_demotion_writes()
         with self._lane_stream(lane):
             step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
             graphs = self.decode_graphs.get(lane)

@@ -17,8 +17,11 @@ GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("group_bytes", [1, 1 << 30])  # a layer per group, and every layer in one group
-def test_demotion_then_promotion_gives_back_the_same_bits(dtype, group_bytes, monkeypatch):
+# Staged with a layer per group or every layer in one group, and written directly by the device (the pool's twin
+# on the test device stands in for the pinned pool that CUDA maps: HostKVPool.device_layers).
+@pytest.mark.parametrize("way", ["staged, group per layer", "staged, one group", "mapped"])
+def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatch):
+    group_bytes = 1 << 30 if way == "staged, one group" else 1
     monkeypatch.setattr(kv_demotion, "GROUP_BYTES", group_bytes)
     monkeypatch.setattr(kv_promotion, "GROUP_BYTES", group_bytes)
     gen = torch.Generator().manual_seed(8)
@@ -36,8 +39,17 @@ def test_demotion_then_promotion_gives_back_the_same_bits(dtype, group_bytes, mo
         moves.append((seq, dev_table))
     staging = MoveStaging(torch.device(TEST_DEVICE), num_slots=2)  # three groups: slots are reused
     with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
-        for write in kv_demotion.copy_to_host(moves, device, host, executor, dev_bs, staging):
-            write.result()
+        if way == "mapped":
+            mapped = [tuple(cache.to(TEST_DEVICE) for cache in layer) for layer in host]
+            kv_demotion.write_mapped(moves, device, mapped, dev_bs)
+            for pair, mapped_pair in zip(host, mapped):
+                for cache, twin in zip(pair, mapped_pair):
+                    cache.copy_(twin.cpu())
+        else:
+            for write in kv_demotion.copy_to_host(moves, device, host, executor, dev_bs, staging):
+                write.result()
+        untouched = sorted(set(range(12)) - {b for table in host_tables for b in table})
+        assert all(torch.isnan(c[untouched].float()).all() for pair in host for c in pair)  # no stray block written
         for (seq, dev_table), n in zip(moves, lengths):
             for layer in range(layers):
                 for which in (0, 1):
