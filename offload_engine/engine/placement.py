@@ -76,9 +76,11 @@ def demotion_order(rows: list[Sequence]) -> list[Sequence]:
     promoted back, so the device keeps the rows furthest from their end, the ones that would otherwise decode
     alone at the end of a batch (promotions() takes those first for the same reason). Demoting the newest
     instead, as "gpu" preempts, demoted rows that still had most of their tokens to go: they came back up late,
-    some moved up and down several times, and the batch ended with 1-3 device rows for ~300 steps. On a
-    simulation of the engine's scheduling (exact step and move counts against the H100 run, 8B, 64 x
-    (1024 + 1024) at 3,296 blocks) this choice took auto/gpu from 0.97 to 1.03 there."""
+    some moved up and down several times, and the batch ended with 1-3 device rows for ~300 steps
+    (benchmarks/simulate_placement.py, whose replay of the scheduler matched the H100 run's step and move
+    counts). Measured on the H100 host, decode-heavy (2026-11-22, benchmarks/NOTES.md): 8B, 64 x (1024 + 1024)
+    at a 24 GB card's budget, auto/gpu 0.96 -> 1.01 (with demotions' copies off the engine's thread); 0.6B,
+    32 x (1024 + 1024) at 1,024 blocks, 1.09 -> 1.27-1.31."""
     newest_first = {id(seq): i for i, seq in enumerate(reversed(rows))}
     return sorted(rows, key=lambda seq: (seq.tokens_left, newest_first[id(seq)]))
 

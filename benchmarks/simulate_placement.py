@@ -1,0 +1,291 @@
+"""Replays the engine's scheduling on a simulated clock, to predict what "auto" does against "gpu" without a GPU.
+
+Which rows demote or promote, and how many rows each lane runs, follow from the scheduler's state and the step
+times it is fed: nothing else is random. So the real LLMEngine._step, Scheduler, BlockManager, placement and
+LaneStats run here with a fake model runner and host lane whose steps take times from a cost model measured on
+the device, and the replay reproduces a device run's step and move counts. On the H100 host (2026-11-22), 8B,
+64 x (1024 + 1024) at 3,296 device blocks, it matched "gpu" exactly (2,074 device steps of 31.6 rows, 28
+recomputes) and "auto"'s steps and moves within 1%.
+
+Not modelled: stalls of the engine's thread on KV copies (a promotion costs a constant per token, a demotion
+nothing) and the host lane's GPU work beyond a constant slowdown of device steps. Timings are a guide to which
+changes are worth a device run; device runs decide. (It predicted 1.07 for the demotion order of d2e1354 at the
+point above; the device measured 0.84, because demotions' staged copies then held the engine's thread 47 ms
+each, and 1.01 once they no longer did.)
+
+    PYTHONPATH=. python -m benchmarks.simulate_placement [--out PATH]
+    PYTHONPATH=. python -m benchmarks.simulate_placement --model qwen3-8b --num-seqs 64 --prompt-len 1024 \\
+        --output-len 1024 --num-gpu-blocks 3296
+"""
+import argparse
+import json
+import random
+import statistics
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass
+from types import SimpleNamespace
+
+from offload_engine.engine import llm_engine
+from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.lane_stats import LaneStats
+from offload_engine.engine.scheduler import Scheduler
+from offload_engine.engine.sequence import Sequence
+from offload_engine.sampling_params import SamplingParams
+
+DEVICE_BLOCK_SIZE = 16
+HOST_BLOCK_SIZE = 64
+MAX_NUM_SEQS = 256
+MAX_NUM_BATCHED_TOKENS = 16384
+POLICIES = ("gpu", "auto")
+
+
+@dataclass(frozen=True)
+class CostModel:
+    """What each step costs for one model shape on the H100 host, read off the 2026-11-22 A/B runs."""
+
+    dev_fixed: float  # seconds of a device decode step regardless of its rows...
+    dev_row: float  # ...plus this per row...
+    kv_bw: float  # ...plus the KV bytes it reads at this many bytes per second
+    busy: float  # device step time while a host step is in flight over while the host lane is idle
+    host_fixed: float  # seconds of a host-lane step outside its CPU attention kernels...
+    host_per_gb: float  # ...plus this per GB of KV the kernels read
+    prefill_tok_s: float  # prompt tokens per second of a prefill step
+    move_s_per_tok: float  # engine-thread seconds a promotion costs per token of context
+    kv_bytes: int  # KV bytes per token
+
+
+COST_MODELS = {
+    "qwen3-8b": CostModel(dev_fixed=0.0145, dev_row=0.00005, kv_bw=2.5e12, busy=1.07, host_fixed=0.021,
+                          host_per_gb=0.021, prefill_tok_s=21000, move_s_per_tok=7.5e-6, kv_bytes=147456),
+    "qwen3-0.6b": CostModel(dev_fixed=0.0055, dev_row=0.00002, kv_bw=2.5e12, busy=1.03, host_fixed=0.006,
+                            host_per_gb=0.0165, prefill_tok_s=31000, move_s_per_tok=5.7e-6, kv_bytes=114688),
+}
+HOST_POOL_BLOCKS = {"qwen3-8b": 6346, "qwen3-0.6b": 40000}
+
+
+@dataclass(frozen=True)
+class Point:
+    model: str
+    num_seqs: int
+    prompt_len: int
+    output_len: int
+    num_gpu_blocks: int
+
+    @property
+    def workload(self) -> str:
+        return f"{self.num_seqs} x ({self.prompt_len}+{self.output_len})"
+
+
+# The full device profile's prefill-heavy and decode-heavy points, each at several device budgets.
+SUITE = ([Point("qwen3-0.6b", 64, 2048, 256, blocks) for blocks in (2304, 1152, 576)]
+         + [Point("qwen3-8b", 32, 4096, 128, blocks) for blocks in (3296, 2112, 1056)]
+         + [Point("qwen3-0.6b", 32, 1024, 1024, blocks) for blocks in (1024, 512)]
+         + [Point("qwen3-8b", 64, 1024, 1024, blocks) for blocks in (3296, 1024)])
+
+
+class SimClock:
+    """Simulated seconds: the fake lanes move it on, the engine's step timing reads it."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+@contextmanager
+def engine_time_from(clock: SimClock):
+    """Points llm_engine's `time` name at the clock for the duration; the time module itself is left alone."""
+    real_time = llm_engine.time
+    llm_engine.time = SimpleNamespace(perf_counter=clock.perf_counter)
+    try:
+        yield
+    finally:
+        llm_engine.time = real_time
+
+
+class FakeFuture:
+    """A host step's result, done once the clock reaches its end; waiting for it moves the clock there."""
+
+    def __init__(self, clock: SimClock, done_at: float, tokens: list[int]):
+        self.clock, self.done_at, self.tokens = clock, done_at, tokens
+
+    def done(self) -> bool:
+        return self.clock.now >= self.done_at
+
+    def result(self) -> list[int]:
+        self.clock.now = max(self.clock.now, self.done_at)
+        return self.tokens
+
+    def exception(self) -> None:
+        return None
+
+
+class FakeHostLane:
+    """The host-lane executor. Its step runs beside the device lane's, so it ends at a time in the future rather
+    than advancing the clock; it records in LaneStats what LLMEngine._host_step would have measured."""
+
+    def __init__(self, engine: llm_engine.LLMEngine, clock: SimClock, cost: CostModel):
+        self.engine, self.clock, self.cost = engine, clock, cost
+
+    def submit(self, _host_step, batch: list[Sequence]) -> FakeFuture:
+        kv_bytes = sum(map(len, batch)) * self.cost.kv_bytes
+        kernel_seconds = self.cost.host_per_gb * kv_bytes / 1e9
+        seconds = self.cost.host_fixed + kernel_seconds
+        self.engine.stats.host_step(kv_bytes, seconds, kernel_seconds)
+        self.engine.host_step_seconds = seconds
+        return FakeFuture(self.clock, self.clock.now + seconds, [1] * len(batch))
+
+    def shutdown(self, **_kwargs) -> None:
+        pass
+
+
+class FakeRunner:
+    """The model runner: each device-lane step advances the clock by its modelled time; every token is 1."""
+
+    # As with CUDA's whole-step host graphs: promotions wait until the host step is back (no hold-back).
+    host_step_holds_executor = True
+
+    def __init__(self, engine: llm_engine.LLMEngine, clock: SimClock, cost: CostModel):
+        self.engine, self.clock, self.cost = engine, clock, cost
+        self.decode_steps: list[tuple[int, bool]] = []  # (rows, host step in flight) of each device decode step
+
+    def run(self, batch: list[Sequence], is_prefill: bool, lane: str = "device") -> list[int]:
+        if is_prefill:
+            self.clock.now += sum(seq.num_scheduled_tokens for seq in batch) / self.cost.prefill_tok_s
+        else:
+            host_busy = self.engine.in_flight is not None
+            self.clock.now += self._decode_seconds(batch) * (self.cost.busy if host_busy else 1.0)
+            self.decode_steps.append((len(batch), host_busy))
+        return [1] * len(batch)
+
+    def _decode_seconds(self, batch: list[Sequence]) -> float:
+        kv_bytes = sum(map(len, batch)) * self.cost.kv_bytes
+        return self.cost.dev_fixed + self.cost.dev_row * len(batch) + kv_bytes / self.cost.kv_bw
+
+    def promote(self, moves) -> None:
+        self.clock.now += sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.move_s_per_tok
+
+    def demote(self, moves) -> None:
+        pass  # the copy overlaps the next device step
+
+    def check_host_writes(self, wait: bool = False) -> None:
+        pass
+
+
+def build_engine(policy: str, point: Point, clock: SimClock) -> llm_engine.LLMEngine:
+    """An LLMEngine with the real scheduler, pools and lane statistics around the fakes. Its __init__ would
+    load a model, so the attributes _step uses are set here instead."""
+    cost = COST_MODELS[point.model]
+    engine = object.__new__(llm_engine.LLMEngine)
+    engine.blocks = BlockManager(point.num_gpu_blocks, DEVICE_BLOCK_SIZE, HOST_POOL_BLOCKS[point.model],
+                                 HOST_BLOCK_SIZE, enable_prefix_caching=True)
+    engine.stats = LaneStats(cost.kv_bytes)
+    engine.scheduler = Scheduler(engine.blocks, policy, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS,
+                                 point.prompt_len + point.output_len, eos_token_ids=(), kv_promotion=True,
+                                 stats=engine.stats)
+    engine.runner = FakeRunner(engine, clock, cost)
+    engine.host_lane = FakeHostLane(engine, clock, cost)
+    engine.in_flight = None
+    engine.host_step_seconds = engine.device_step_seconds = 0.0
+    engine.decoded_by_lane = {"device": 0, "host": 0}
+    return engine
+
+
+def add_requests(engine: llm_engine.LLMEngine, point: Point) -> None:
+    """Random prompts (the same for every policy), each generating exactly output_len tokens."""
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=point.output_len, ignore_eos=True)
+    for _ in range(point.num_seqs):
+        prompt = [rng.randrange(1, 30000) for _ in range(point.prompt_len)]
+        engine.add(Sequence(prompt, params, point.prompt_len + point.output_len))
+
+
+def simulate(policy: str, point: Point) -> dict:
+    """Runs every request of the point to its end under `policy`; returns what a device run would report."""
+    clock = SimClock()
+    with engine_time_from(clock):
+        engine = build_engine(policy, point, clock)
+        add_requests(engine, point)
+        while engine.has_work():
+            engine._step()
+    return summarize(policy, point, engine, clock.now)
+
+
+def summarize(policy: str, point: Point, engine: llm_engine.LLMEngine, seconds: float) -> dict:
+    steps = engine.runner.decode_steps
+    scheduler = engine.scheduler
+    return {
+        "policy": policy,
+        "seconds": round(seconds, 2),
+        "tok_s": round(point.num_seqs * point.output_len / seconds),
+        "device_steps": len(steps),
+        "device_rows_per_step": round(statistics.mean(rows for rows, _ in steps), 1) if steps else 0.0,
+        "host_busy_fraction": round(sum(busy for _, busy in steps) / len(steps), 2) if steps else 0.0,
+        "device_tokens": engine.decoded_by_lane["device"],
+        "host_tokens": engine.decoded_by_lane["host"],
+        "demotions": scheduler.num_demotions,
+        "promotions": scheduler.num_promotions,
+        "recomputes": scheduler.num_preemptions,
+        "checks": engine.stats.snapshot()["checks"],
+    }
+
+
+def compare(point: Point) -> dict:
+    by_policy = {policy: simulate(policy, point) for policy in POLICIES}
+    return {**asdict(point), "workload": point.workload, "num_cpu_blocks": HOST_POOL_BLOCKS[point.model],
+            **by_policy,
+            "auto_over_gpu": round(by_policy["auto"]["tok_s"] / by_policy["gpu"]["tok_s"], 3)}
+
+
+HEADER = (f"{'model':<11} {'workload':<18} {'blocks':>6} {'gpu tok/s':>9} {'auto tok/s':>10} {'auto/gpu':>8}  "
+          f"{'gpu steps x rows':>16}  {'auto steps x rows':>17} {'host tok':>8} {'demote':>6} {'promote':>7} "
+          f"{'recompute gpu/auto':>18}")
+
+
+def format_line(result: dict) -> str:
+    gpu, auto = result["gpu"], result["auto"]
+    recomputes = f"{gpu['recomputes']}/{auto['recomputes']}"
+    return (f"{result['model']:<11} {result['workload']:<18} {result['num_gpu_blocks']:>6} {gpu['tok_s']:>9} "
+            f"{auto['tok_s']:>10} {result['auto_over_gpu']:>8.3f}  "
+            f"{gpu['device_steps']:>7} x {gpu['device_rows_per_step']:>6.1f}  "
+            f"{auto['device_steps']:>8} x {auto['device_rows_per_step']:>6.1f} {auto['host_tokens']:>8} "
+            f"{auto['demotions']:>6} {auto['promotions']:>7} {recomputes:>18}")
+
+
+SINGLE_POINT_OPTIONS = ("model", "num_seqs", "prompt_len", "output_len", "num_gpu_blocks")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", choices=sorted(COST_MODELS))
+    parser.add_argument("--num-seqs", type=int)
+    parser.add_argument("--prompt-len", type=int)
+    parser.add_argument("--output-len", type=int)
+    parser.add_argument("--num-gpu-blocks", type=int)
+    parser.add_argument("--out", help="write the results here as JSON")
+    args = parser.parse_args()
+    given = [name for name in SINGLE_POINT_OPTIONS if getattr(args, name) is not None]
+    if given and len(given) < len(SINGLE_POINT_OPTIONS):
+        missing = [f"--{name.replace('_', '-')}" for name in SINGLE_POINT_OPTIONS if name not in given]
+        parser.error(f"a single point needs all of its options; missing: {' '.join(missing)}")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    points = SUITE
+    if args.model is not None:
+        points = [Point(*(getattr(args, name) for name in SINGLE_POINT_OPTIONS))]
+    print(HEADER)
+    results = []
+    for point in points:
+        results.append(compare(point))
+        print(format_line(results[-1]), flush=True)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
