@@ -79,8 +79,8 @@ def _close_engines(monkeypatch):
 
 @pytest.fixture(autouse=True)
 def _host_lane_always_pays(request, monkeypatch):
-    """The engine's cost checks (placement.host_lane_pays, host_step_pays) decide from step times it measures, so on a busy
-    CI machine whether a test's sequences reach the host tier would depend on timing. Engine tests pin it to
+    """The engine's cost checks (placement.host_lane_pays, host_step_pays) decide from step times it measures, so
+    on a busy CI machine whether a test's sequences reach the host tier would depend on timing. Engine tests pin it to
     "pays" to exercise the paths they are about; tests marked `real_cost_check`, and tests/engine/
     test_lane_costs.py (which calls the function itself), check the rule."""
     if "real_cost_check" not in request.keywords:

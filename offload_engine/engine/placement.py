@@ -81,8 +81,7 @@ def demotion_order(rows: list[Sequence]) -> list[Sequence]:
     counts). Measured on the H100 host, decode-heavy (2026-11-22, benchmarks/NOTES.md): 8B, 64 x (1024 + 1024)
     at a 24 GB card's budget, auto/gpu 0.96 -> 1.01 (with demotions' copies off the engine's thread); 0.6B,
     32 x (1024 + 1024) at 1,024 blocks, 1.09 -> 1.27-1.31."""
-    newest_first = {id(seq): i for i, seq in enumerate(reversed(rows))}
-    return sorted(rows, key=lambda seq: (seq.tokens_left, newest_first[id(seq)]))
+    return sorted(reversed(rows), key=lambda seq: seq.tokens_left)  # stable: newest first among equals
 
 
 def _checked(kind: str, pays: bool, stats: LaneStats | None) -> bool:
@@ -144,9 +143,8 @@ def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: in
     prefill. extra_room: blocks that are about to free up, to ask which sequences will fit then."""
     gpu = blocks.pool(GPU)
     room = gpu.num_free + extra_room
-    for seq in sorted(running, key=lambda s: -s.tokens_left):  # stable: admission order among equals
-        if seq.location != CPU or seq.in_flight or seq.in_prefill:
-            continue
+    candidates = [seq for seq in running if seq.location == CPU and not seq.in_flight and not seq.in_prefill]
+    for seq in sorted(candidates, key=lambda s: -s.tokens_left):  # stable: admission order among equals
         needed = gpu.blocks_for(len(seq) + 1)
         if gpu.blocks_for(seq.budget) <= gpu.num_blocks and needed <= room:
             room -= needed

@@ -4,9 +4,9 @@ A step is either a prefill step (chunks of prompts, up to `max_num_batched_token
 (one token for every running sequence of one tier: decode runs in two lanes, see engine/llm_engine.py).
 Prefill goes first, so new requests join the batch as soon as a tier has room for them. When a decode step
 finds no room for a sequence's next token, a sequence on the same tier gives up its blocks: under "auto" device
-sequences nearest their end are demoted to the host tier first, where placement allows (their KV is copied, they
-go on decoding in the host lane); otherwise the newest is preempted and recomputed later. Sequences in flight in the host
-lane are never touched. No request is dropped. With kv_promotion ("auto"), host-tier sequences move back up
+sequences nearest their end are demoted to the host tier first, where placement allows (their KV is copied,
+they go on decoding in the host lane); otherwise the newest is preempted and recomputed later. Sequences in
+flight in the host lane are never touched. No request is dropped. With kv_promotion ("auto"), host-tier sequences move back up
 into device room before new requests take it (schedule_promotions). Which tier, and whether a move pays, is
 engine/placement.py's to say.
 """
@@ -146,6 +146,8 @@ class Scheduler:
                 and not s.in_prefill and s.status == SequenceStatus.RUNNING]
         needs = {s.seq_id: pool.blocks_for(len(s)) > len(s.block_table) for s in rows}
         needed = sum(needs.values())
+        if needed <= pool.num_free:
+            return  # the common step: room for every row, nothing to order
         for victim in demotion_order(rows):
             if needed <= pool.num_free or not demotes(victim, self.kv_placement, self.blocks):
                 return
