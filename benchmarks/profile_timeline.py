@@ -41,6 +41,10 @@ def timed(owner, name, key):
     setattr(owner, name, wrapper)
 timed(model_runner.ModelRunner, "promote", "promote")
 timed(model_runner.ModelRunner, "demote", "demote")
+from offload_engine.engine import pinned_ring
+from offload_engine.layers import attention
+timed(pinned_ring.PinnedRing, "_retire_oldest", "ring_wait")  # host-tier prefill writes falling behind
+timed(attention.Attention, "_stage_prefix", "stage_prefix")
 orig_take = llm_engine.LLMEngine._take_host_step
 def take(self, wait):
     t = time.perf_counter()
@@ -55,7 +59,9 @@ def run(self, seqs, is_prefill, lane="device"):
     finally:
         if lane == "device":
             steps.append((time.perf_counter(), is_prefill, len(seqs), time.perf_counter() - t,
-                          sum(s.num_scheduled_tokens for s in seqs) if is_prefill else 0))
+                          sum(s.num_scheduled_tokens for s in seqs) if is_prefill else 0,
+                          sum(s.num_scheduled_tokens for s in seqs if s.location == model_runner.BlockLocation.CPU)
+                          if is_prefill else 0))
 model_runner.ModelRunner.run = run
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("placement", choices=("gpu", "auto", "cpu"))
@@ -77,6 +83,7 @@ for s in dec: by_batch[s[2]].append(s[3])
 summary = {"placement": placement, "workload": vars(args), "tok_s": r["output_tok_per_s"], "decoded_by_lane": r.get("decoded_by_lane"),
            "decode_steps": len(dec), "decode_s": sum(s[3] for s in dec), "mean_batch": statistics.mean(s[2] for s in dec),
            "prefill_steps": len(pre), "prefill_s": sum(s[3] for s in pre), "prefill_tokens": sum(s[4] for s in pre),
+           "prefill_host_tokens": sum(s[5] for s in pre),
            "spent": dict(spent), "count": dict(count),
            "step_ms_by_batch": {b: round(1e3 * statistics.median(v), 2) for b, v in sorted(by_batch.items()) if len(v) > 20},
            "steps_by_batch": {b: len(v) for b, v in sorted(by_batch.items())}}
@@ -98,4 +105,5 @@ if host_steps:
 print(json.dumps(summary))
 with open(os.path.join(os.environ.get("OUT", "."), f"timeline_{placement}{'_' + args.tag if args.tag else ''}.json"), "w") as f:
     json.dump({"summary": summary, "result": r, "host_steps": host_steps,
-               "device_steps": [(round(t, 4), p, rows, round(sec, 5)) for t, p, rows, sec, _ in steps]}, f)
+               "device_steps": [(round(t, 4), p, rows, round(sec, 5), tokens, host_tokens)
+                                for t, p, rows, sec, tokens, host_tokens in steps]}, f)

@@ -57,7 +57,8 @@ def _attend_key_tiles(
     return acc, m, l
 
 
-@triton.jit
+# The table's width changes from step to step (the batch's longest row): unspecialized, it compiles once.
+@triton.jit(do_not_specialize=["stride_table_b"])
 def _prefill_kernel(
     q_ptr, k_ptr, v_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr, lse_ptr, qk_scale,
     stride_q_t, stride_q_h, stride_k_block, stride_k_tok, stride_k_head,

@@ -1,11 +1,11 @@
 """The CUDA streams the engine works on: one set per device for the whole process, shared by every engine.
 
-Each decode lane has a stream, and each lane's CUDA graphs are captured on a stream of their own
-(engine/cuda_graphs.py says why). Why not fresh streams per engine: torch keys its cuBLAS workspaces by
-(handle, stream) and keeps them until the process exits, so every engine made and closed left ~100 MB of
-device memory behind (H100, 2026-11-22, tests/test_lifecycle.py). Engines made one after another reuse these
-streams and so their workspaces. Two engines stepping at the same time from different threads would share
-them; the engine is not meant to be driven like that.
+Each decode lane has a stream, host-tier prefill writes cross on one beside the compute, and each lane's CUDA
+graphs are captured on a stream of their own (engine/cuda_graphs.py says why). Why not fresh streams per engine:
+torch keys its cuBLAS workspaces by (handle, stream) and keeps them until the process exits, so every engine
+made and closed left ~100 MB of device memory behind (H100, 2026-11-22, tests/test_lifecycle.py). Engines made
+one after another reuse these streams and so their workspaces. Two engines stepping at the same time from
+different threads would share them; the engine is not meant to be driven like that.
 """
 import torch
 
@@ -13,7 +13,8 @@ PRIORITIES = {"device": -1, "host": 0}  # lower is more urgent: the device lane'
 
 
 def engine_stream(device: torch.device, name: str) -> torch.cuda.Stream:
-    """The process-wide stream `name` ("device", "host", "capture-device", "capture-host") on `device`."""
+    """The process-wide stream `name` ("device", "host", "capture-device", "capture-host", "prefill-writes": the
+    host-tier prefill's copies to the host) on `device`."""
     index = device.index if device.index is not None else torch.cuda.current_device()
     key = (index, name)
     if key not in _streams:

@@ -62,6 +62,9 @@ class ModelRunner:
             self.startup_seconds["pin"] = self.host_pool.wait_pinned()
         self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
         self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
+        if self.ring is not None:
+            with torch.inference_mode():
+                self.model.attention_layers()[0].compile_staged_prefill()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # what start-up queued on the default stream is done
             self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
@@ -139,10 +142,12 @@ class ModelRunner:
 
     def bind_kv_caches(self, device_pool, host_pool) -> None:
         """Hands every attention layer its caches in both tiers, the device backend and the host executor."""
+        copy_stream = engine_stream(self.device, "prefill-writes") if self.ring is not None else None
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = device_pool[i]
             layer.k_cache_cpu, layer.v_cache_cpu = host_pool[i] if host_pool else (None, None)
             layer.backend, layer.executor, layer.ring = self.backend, self.executor, self.ring
+            layer.copy_stream = copy_stream
 
     def _capture_decode_graphs(self) -> dict:
         """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (whole steps whose

@@ -26,6 +26,7 @@ class Attention(nn.Module):
         self.backend = None  # the device tier's kernels (layers.attention_backends)
         self.executor = None  # cpu_attention.CpuAttentionExecutor: the host tier's one worker thread
         self.ring = None  # engine.pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic to the host
+        self.copy_stream = None  # CUDA: where host-tier prefill K/V cross to the ring, beside the layer's compute
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
@@ -87,8 +88,7 @@ class Attention(nn.Module):
     def _submit_host_write(self, k, v, staging: PrefixStaging):
         if staging.host_token_indices is not None:
             k, v = k[staging.host_token_indices], v[staging.host_token_indices]
-        (k_host, v_host), region = self._pinned_copies(k, v)
-        arrived = _record_event(k)
+        (k_host, v_host), region, arrived = self._copies_to_ring(k, v)
         from cpu_attention import store_kvcache
 
         def run():
@@ -101,14 +101,27 @@ class Attention(nn.Module):
             self.ring.busy_until(region, write)
         return write
 
-    def _pinned_copies(self, *tensors):
-        """Host copies of same-shaped device tensors, in one region of the pinned ring (on CUDA)."""
+    def _copies_to_ring(self, *tensors):
+        """Host copies of same-shaped device tensors, in one region of the pinned ring (on CUDA), their region,
+        and the event after which they have landed (None off CUDA).
+
+        The copies run on their own stream: on the layer's stream they held up its compute for as long as they
+        took, ~7% of an 8B host-tier prefill step (16k tokens: 2.3 GB across, 640 against 600 ms; H100 host,
+        2026-11-22, benchmarks/profile_timeline.py). record_stream keeps the allocator from handing the tensors'
+        memory to later layers before the copies have read it."""
         if self.ring is None:
-            return [_to_host(t) for t in tensors], None
+            return [_to_host(t) for t in tensors], None, _record_event(tensors[0])
         staged, region = self.ring.take((len(tensors), *tensors[0].shape), tensors[0].dtype)
-        for t, host in zip(tensors, staged):
-            host.copy_(t, non_blocking=True)
-        return list(staged), region
+        if self.copy_stream is None:
+            for t, host in zip(tensors, staged):
+                host.copy_(t, non_blocking=True)
+            return list(staged), region, _record_event(tensors[0])
+        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.copy_stream):
+            for t, host in zip(tensors, staged):
+                host.copy_(t, non_blocking=True)
+                t.record_stream(self.copy_stream)
+            return list(staged), region, _record_event(tensors[0])
 
     def _pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype):
         """A host buffer for a copy to the device: a region of the pinned ring on CUDA, plain memory otherwise."""
@@ -136,6 +149,24 @@ class Attention(nn.Module):
                     self.ring.busy_until(region, _record_event(cache))
             staged.append(cache)
         return staged
+
+
+    def compile_staged_prefill(self) -> None:
+        """Runs the device kernels of a host-tier prefill once, on two tokens, so that their variants for the
+        staging cache compile at start-up. Its block size is the host tier's, a compile-time constant of the Triton
+        kernels, so they compiled in the first host-tier prefill: 1.4 s of an 8B run's first such step, 0.88x gpu
+        where the next budget's run, compiled by then, reached 0.97x (H100 host, 2026-11-22,
+        benchmarks/profile_timeline.py)."""
+        _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
+        device, dtype, tokens = self.k_cache.device, self.k_cache.dtype, 2
+        q = torch.randn(tokens, self.num_heads, head_dim, device=device, dtype=dtype)
+        k, v = (torch.randn(tokens, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
+        caches = [torch.zeros(2, block_size, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)]
+        self.backend.store_kvcache(k, v, *caches, torch.arange(tokens, device=device))
+        as_int32 = lambda rows: torch.tensor(rows, device=device, dtype=torch.int32)
+        out, lse = self.backend.paged_prefill_attention(q, *caches, as_int32([[0, 1]]), as_int32([0, tokens]),
+                                                        as_int32([tokens]), self.scale, tokens)
+        self.backend.merge_attn_states(out, lse, out, lse)
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

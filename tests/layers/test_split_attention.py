@@ -52,3 +52,19 @@ def test_mixed_decode_rows_attend_on_their_own_tier():
     for row in range(4):  # and row by row, so a swap of two rows cannot hide in the norm
         assert relative_error(out[row], ref[row]) < 1e-5
     layer.executor.shutdown()
+
+
+def test_staged_prefill_warm_up_runs_the_backend_and_leaves_both_pools_alone():
+    """ModelRunner calls this at start-up on CUDA so the staging cache's kernel variants compile then, not in
+    the first host-tier prefill. It must run on the backend the engine picks and write nothing into either pool."""
+    heads, kv_heads, dim = 4, 2, 16
+    k_gpu, v_gpu, _, _, _ = random_paged_kv([9, 16], kv_heads, dim, 4, torch.float32, "token_major", seed=3)
+    k_cpu, v_cpu, _, _, _ = random_paged_kv([33, 5], kv_heads, dim, 8, torch.float32, "head_major", seed=4)
+    layer = Attention(heads, kv_heads, dim, scale=0.3)
+    layer.k_cache, layer.v_cache = on_test_device(k_gpu, v_gpu)
+    layer.k_cache_cpu, layer.v_cache_cpu = k_cpu, v_cpu
+    layer.backend = select_backend("auto", torch.device(TEST_DEVICE), 4)
+    before = [t.clone() for t in (layer.k_cache, layer.v_cache, k_cpu, v_cpu)]
+    layer.compile_staged_prefill()
+    for old, new in zip(before, (layer.k_cache, layer.v_cache, k_cpu, v_cpu)):
+        assert torch.allclose(old, new, rtol=0, atol=0, equal_nan=True)  # unused slots hold NaN
