@@ -26,7 +26,7 @@ class Attention(nn.Module):
         self.backend = None  # the device tier's kernels (layers.attention_backends)
         self.executor = None  # cpu_attention.CpuAttentionExecutor: the host tier's one worker thread
         self.ring = None  # engine.pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic to the host
-        self.copy_stream = None  # CUDA: where host-tier prefill K/V cross to the ring, beside the layer's compute
+        self.copy_stream = None  # with the ring: where host-tier prefill K/V cross to it, beside the layer's compute
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
@@ -112,10 +112,6 @@ class Attention(nn.Module):
         if self.ring is None:
             return [_to_host(t) for t in tensors], None, _record_event(tensors[0])
         staged, region = self.ring.take((len(tensors), *tensors[0].shape), tensors[0].dtype)
-        if self.copy_stream is None:
-            for t, host in zip(tensors, staged):
-                host.copy_(t, non_blocking=True)
-            return list(staged), region, _record_event(tensors[0])
         self.copy_stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(self.copy_stream):
             for t, host in zip(tensors, staged):
@@ -149,7 +145,6 @@ class Attention(nn.Module):
                     self.ring.busy_until(region, _record_event(cache))
             staged.append(cache)
         return staged
-
 
     def compile_staged_prefill(self) -> None:
         """Runs the device kernels of a host-tier prefill once, on two tokens, so that their variants for the
