@@ -12,7 +12,15 @@ the loop runs). A step takes the GIL twice: to replay and to collect.
 
 Rows beyond the batch (a batch of 37 runs in the 48 graph) compute on stale inputs: the kernel reads only the
 batch's rows and their outputs are never read, as in the piecewise graphs.
+
+The graphs' matrix products are captured on a few SMs (`few_sms`). Alone, a host step's device work for 8B takes
+12.3-13.0 ms on all 132 SMs of an H100 and 15.3 ms on 16: it is a chain of small launches, not bandwidth. Beside
+the device lane, all-SM products took SMs from its steps: 24 device rows stepped 6.0-6.3% slower while a host step
+was in flight, 3.3% with the host lane's products on 16 SMs, and the host step took no longer (H100 host,
+2026-11-22, benchmarks/results/nvidia-h100-80gb-hbm3/host_lane_sms_8b_*.json).
 """
+import contextlib
+
 import torch
 
 from cpu_attention.layer_loop import LayerLoop, check_step
@@ -20,6 +28,25 @@ from offload_engine.engine.cuda_graphs import batch_buckets
 from offload_engine.engine.stream_gates import open_gate, wait_gate
 
 STEP_TIMEOUT_S = 600.0  # a step that long has lost its device: give up on it rather than hang
+SM_SHARE = 8  # the host lane's matrix products target 1/SM_SHARE of the device's SMs (16 of an H100's 132)
+
+
+@contextlib.contextmanager
+def few_sms(device: torch.device):
+    """Matrix products made inside (and so captured into a graph) target 1/SM_SHARE of the device's SMs:
+    cuBLASLt's SM-count target, which torch sets from its SM carveout. Both settings are global, and restored."""
+    if not hasattr(torch._C, "_set_sm_carveout_experimental"):
+        yield
+        return
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    library, carveout = torch.backends.cuda.preferred_blas_library(), torch._C._get_sm_carveout_experimental()
+    torch.backends.cuda.preferred_blas_library("cublaslt")  # the carveout applies to cuBLASLt's products only
+    torch._C._set_sm_carveout_experimental(sms - max(1, sms // SM_SHARE))
+    try:
+        yield
+    finally:
+        torch._C._set_sm_carveout_experimental(carveout)
+        torch.backends.cuda.preferred_blas_library(library)
 
 
 class HostStepGraphs:
@@ -73,10 +100,11 @@ class HostStepGraphs:
 
     @torch.inference_mode()
     def _capture(self, size: int) -> None:
-        self._step(size, gated=False)  # warm up outside the graph: lazy inits and autotuning must not be captured
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
-            logits = self._step(size, gated=True)
+        with few_sms(self.positions.device):
+            self._step(size, gated=False)  # warm up outside the graph: lazy inits and autotuning must not be captured
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+                logits = self._step(size, gated=True)
         self.pool = graph.pool()
         torch.cuda.synchronize()
         self.whole[size] = (graph, logits)

@@ -13,7 +13,8 @@ into freed device room before new requests take it, so the device lane stays as 
 never idles while the host lane decodes the tail of a batch. Host sequences that room is about to free up
 for sit out the next host step (Scheduler.promotion_hold_back), so they are at hand when it does, except
 where a host step holds the executor from start to end (CUDA: engine/host_step_graphs.py); there promotions
-happen between host steps. Both
+happen between host steps. On CUDA a promotion's copy runs beside the device lane's steps, and its sequences
+sit out both lanes until it has landed (ModelRunner.promote). Both
 lanes' step times feed LaneStats, which placement's cost checks predict from: whether a waiting request joins the
 host lane, and whether the host lane steps at all while the device lane has rows (placement.host_step_pays).
 """
@@ -52,6 +53,7 @@ class LLMEngine:
                                    max_model_len, eos_token_ids, cfg.kv_promotion, self.stats)
         self.host_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-lane")
         self.in_flight: tuple[list[Sequence], Future] | None = None  # the host lane's decode step
+        self.promoting: list[tuple[object, list[Sequence]]] = []  # promotions whose reads run: (event, rows)
         # The latest step times of each lane: how many device steps one host step spans (promotion look-ahead).
         self.host_step_seconds = self.device_step_seconds = 0.0
         self.decoded_by_lane = {"device": 0, "host": 0}  # tokens each lane decoded (benchmarks report the split)
@@ -83,6 +85,7 @@ class LLMEngine:
     def _step(self) -> StepStats:
         start = time.perf_counter()
         finished, num_tokens = self._take_host_step(wait=False)
+        self._land_promotions(wait=False)
         # Host-tier sequences take freed device room before new requests do, as "gpu" re-admits its
         # preempted sequences first (engine/placement.py).
         # A whole-step host loop holds the executor, which does promotions' reads, until its step is back:
@@ -90,7 +93,7 @@ class LLMEngine:
         between_host_steps = self.in_flight is None or not self.runner.host_step_holds_executor
         moves = self.scheduler.schedule_promotions() if between_host_steps else []
         if moves:
-            self.runner.promote(moves)
+            self._promote(moves)
         batch = self.scheduler.schedule_prefill()
         if batch:
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=True))
@@ -111,10 +114,12 @@ class LLMEngine:
             host_busy, began = self.in_flight is not None, time.perf_counter()
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=False))
             self.device_step_seconds = time.perf_counter() - began
-            if not (moves or demoted):  # a step behind KV copies would count their time as the step's
+            if not (moves or demoted or self.promoting):  # KV copies would count as the step's time
                 self.stats.device_step_done(len(batch), self.device_step_seconds, host_busy)
             num_tokens += len(batch)
             self.decoded_by_lane["device"] += len(batch)
+        elif self.promoting:
+            self._land_promotions(wait=True)  # the device lane's next rows, a few ms away
         elif self.in_flight is not None or self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU)):
             # Nothing else to do until it is back. (A lane the cost check held back steps here too, once the
             # device lane has no rows left this step.)
@@ -123,6 +128,31 @@ class LLMEngine:
         elif not num_tokens:
             raise RuntimeError("the scheduler found no runnable work although requests are pending")
         return StepStats(False, num_tokens, time.perf_counter() - start, finished)
+
+    def _promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
+        """Starts the promotions' copies; where they run beside the device lane (ModelRunner.promote returns
+        their event), the sequences sit out both lanes, in flight, until the copies have landed."""
+        landed = self.runner.promote(moves)
+        if landed is None:
+            return
+        rows = [seq for seq, _ in moves]
+        for seq in rows:
+            seq.in_flight = True
+        self.promoting.append((landed, rows))
+
+    def _land_promotions(self, wait: bool) -> None:
+        """Lets the promoted sequences whose copies have landed (with wait: all of them, once they have) decode
+        in the device lane."""
+        pending = []
+        for landed, rows in self.promoting:
+            if wait:
+                landed.synchronize()
+            if wait or landed.query():
+                for seq in rows:
+                    seq.in_flight = False
+            else:
+                pending.append((landed, rows))
+        self.promoting = pending
 
     def _start_host_step(self, batch: list[Sequence]) -> bool:
         if not batch:
@@ -161,7 +191,8 @@ class LLMEngine:
         if self.in_flight is not None:
             self.in_flight[1].exception()  # waits for it; its outcome no longer matters
             self.in_flight = None
-        self.runner.drain_host_work()
+        self.runner.drain_host_work()  # promotions' copies included
+        self.promoting = []
         self.scheduler.reset()
         self.blocks.reset()
 
@@ -171,5 +202,5 @@ class LLMEngine:
             return
         self.closed = True
         self.host_lane.shutdown(wait=True, cancel_futures=True)  # a host step in flight finishes first
-        self.in_flight = None
+        self.in_flight, self.promoting = None, []
         self.runner.close()

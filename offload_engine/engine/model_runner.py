@@ -31,6 +31,7 @@ class ModelRunner:
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
         self._promotion_reads = None  # CUDA event: the latest promotion's direct reads of host blocks are done
+        self.moves_stream = None  # CUDA: where promotions' direct reads run, beside the device lane's steps
         self._demotion_writes = None  # CUDA event: the latest demotion's direct writes into host blocks are done
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
@@ -68,6 +69,7 @@ class ModelRunner:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # what start-up queued on the default stream is done
             self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
+            self.moves_stream = engine_stream(self.device, "moves")
             self._reserve_step_memory()
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
@@ -197,6 +199,7 @@ class ModelRunner:
         if self.model is not None:
             self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
         self._wait_demotion_writes()  # no device write may land in host memory once it is unpinned
+        self._wait_promotion_reads()  # nor a device read take place there
         if self.host_pool is not None:
             self.host_pool.close()  # unpinned before the memory can go
             self.host_pool = None
@@ -204,22 +207,38 @@ class ModelRunner:
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
 
-    def promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
-        """Copies promoted sequences' KV from their old host blocks into their new device blocks. Where the
-        device reads the pinned pool directly, this only queues the reads (kv_promotion.py); the old host blocks
-        may be handed out again at once, so the next host step waits for them first (run)."""
+    def promote(self, moves: list[tuple[Sequence, list[int]]]):
+        """Copies promoted sequences' KV from their old host blocks into their new device blocks.
+
+        Where the device reads the pinned pool directly (kv_promotion.read_mapped), the reads only get queued, on
+        the "moves" stream beside the device lane's steps, and the CUDA event that marks them done is returned:
+        the sequences must not decode before it (LLMEngine holds them out), and whatever writes host blocks or
+        reads device blocks by prefix reuse waits for it (run, demote), since the old host blocks may be handed
+        out again at once and the new device blocks are registered for reuse already. On the device lane's own
+        stream the reads held up every step behind them: 13.5 ms of a 600 MB promotion, ~0.3-0.4 s of device
+        time in a 10-37 s run at 8B (H100 host, 2026-11-22, benchmarks/NOTES.md). Otherwise the copy is done
+        when this returns, and it returns None."""
         from offload_engine.engine.kv_promotion import copy_to_device, read_mapped
 
         mapped = self.host_pool.device_layers()
-        with torch.inference_mode(), self._lane_stream("device"):
-            if mapped is None:
+        if mapped is None:
+            with torch.inference_mode(), self._lane_stream("device"):
                 copy_to_device(moves, self.host_pool.layers, self.device_pool, self.executor,
                                self.backend.store_kvcache, self.cfg.block_size, self.move_staging)
-                return
-            self.check_host_writes(wait=True)  # demotions' and prefills' writes into these blocks have landed
+            return None
+        self.check_host_writes(wait=True)  # demotions' and prefills' writes into these blocks have landed
+        with torch.inference_mode(), torch.cuda.stream(self.moves_stream):
+            # The new device blocks were freed by rows that steps queued on the device lane may still read.
+            self.moves_stream.wait_stream(self.streams["device"])
             read_mapped(moves, mapped, self.device_pool, self.backend.store_kvcache, self.cfg.block_size)
             self._promotion_reads = torch.cuda.Event()
             self._promotion_reads.record()
+        return self._promotion_reads
+
+    def _after_promotion_reads(self) -> None:
+        """Makes the current stream wait for the promotions' reads queued so far (see promote)."""
+        if self._promotion_reads is not None:
+            torch.cuda.current_stream().wait_event(self._promotion_reads)
 
     def demote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
         """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
@@ -230,6 +249,7 @@ class ModelRunner:
 
         mapped = self.host_pool.device_layers()
         with torch.inference_mode(), self._lane_stream("device"):
+            self._after_promotion_reads()  # the host blocks written here may be ones a promotion still reads
             if mapped is None:
                 self._host_writes += copy_to_host(moves, self.device_pool, self.host_pool.layers, self.executor,
                                                   self.cfg.block_size, self.move_staging)
@@ -245,6 +265,12 @@ class ModelRunner:
         writes = self._demotion_writes
         if writes is not None:
             writes.synchronize()
+
+    def _wait_promotion_reads(self) -> None:
+        """Blocks until the device's direct reads of host blocks for promotions have run."""
+        reads = self._promotion_reads
+        if reads is not None:
+            reads.synchronize()
 
     def check_host_writes(self, wait: bool = False) -> None:
         """Raises the error of a host-pool write that failed on the executor; with wait, first lets all finish.
@@ -265,6 +291,7 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.drain()
         self._wait_demotion_writes()
+        self._wait_promotion_reads()
         self._host_writes = []
 
     def _lane_stream(self, lane: str):
@@ -279,14 +306,18 @@ class ModelRunner:
         """One step for `seqs`. Decode steps of the two lanes may run at once, from two threads: each lane has
         its own graphs, generator and CUDA stream, and shares nothing else that a step writes."""
         self.check_host_writes()
-        if lane == "host" and self._promotion_reads is not None:
+        if lane == "host":
             # The host step writes its new tokens into host blocks that a queued promotion may still read; the
-            # other host writers (demotion, prefill) queue their copies on the device lane's stream, after it.
-            self._promotion_reads.synchronize()
+            # other host writers (demotion, prefill) queue their copies behind the reads on the device (below).
+            self._wait_promotion_reads()
         if lane == "host" or (is_prefill and any(s.location == BlockLocation.CPU for s in seqs)):
             # Host kernels read (and prefix staging gathers) host blocks that demoted KV may still be landing in.
             self._wait_demotion_writes()
         with self._lane_stream(lane):
+            if is_prefill:
+                # Prefix reuse may hand it device blocks a promotion is still filling, and its host-tier writes
+                # may go to host blocks one still reads.
+                self._after_promotion_reads()
             step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
             graphs = self.decode_graphs.get(lane)
             if not is_prefill and graphs is not None and graphs.fits(len(seqs), step.meta):

@@ -37,7 +37,9 @@ class Sequence:
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.num_hashed_blocks = 0  # leading full blocks already registered for prefix reuse
         self.finish_reason: str | None = None
-        self.in_flight = False  # in a host-lane decode step that has not come back yet: not to be touched
+        # In a host-lane decode step that has not come back yet, or promoted with its KV still crossing (CUDA): not
+        # to be touched.
+        self.in_flight = False
         self.generator = None  # torch.Generator for seeded sampling, made by the runner on first use
 
     def __len__(self) -> int:

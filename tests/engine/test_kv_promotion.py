@@ -130,3 +130,49 @@ def test_host_sequences_that_room_frees_up_for_sit_out_the_next_host_step():
     assert host_batch == [second]
     scheduler.finish(ending)
     assert [seq for seq, _ in scheduler.schedule_promotions()] == [first] and first.location == GPU
+
+
+class _SlowCopy:
+    """Stands in for a CUDA promotion's event: reports its copy still running for the first `polls` queries."""
+
+    def __init__(self, polls: int):
+        self.polls, self.landed, self.queries = polls, False, 0
+
+    def query(self) -> bool:
+        self.queries += 1
+        self.landed = self.landed or self.queries > self.polls
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.landed = True
+
+
+@pytest.mark.parametrize("polls", [0, 3, 1000])  # lands at once, after a few device steps, only when waited for
+def test_promoted_sequences_sit_out_both_lanes_until_their_copy_lands(qwen3_dir, polls):
+    # CUDA promotions copy beside the device lane's steps (ModelRunner.promote returns their event); here the
+    # copy itself is the synchronous one and the event is made to report it running.
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
+              cpu_block_size=16)
+    engine, copies = llm.engine, []
+    promote, run = engine.runner.promote, engine.runner.run
+
+    def slow_promote(moves):
+        assert promote(moves) is None  # the test device copies synchronously
+        copies.append((_SlowCopy(polls), [seq for seq, _ in moves]))
+        return copies[-1][0]
+
+    def checked_run(seqs, is_prefill, lane="device"):
+        for copy, rows in copies:
+            assert copy.landed or not set(map(id, rows)) & set(map(id, seqs)), "decoded before its KV landed"
+        return run(seqs, is_prefill, lane)
+
+    engine.runner.promote, engine.runner.run = slow_promote, checked_run
+    prompts = random_prompts((40, 41, 39, 42), 256, seed=60)
+    max_tokens = (4, 4, 24, 24)
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    assert copies and all(copy.landed for copy, _ in copies) and not engine.promoting
+    assert [o.kv_promoted for o in outputs][2:] == [True, True]  # both long ones moved up (the test's point)
+    for output, ref, n in zip(outputs, hf_greedy(qwen3_dir, prompts, 24), max_tokens):
+        assert output.token_ids == ref[:n]
+    llm.close()
