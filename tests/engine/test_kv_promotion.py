@@ -133,32 +133,36 @@ def test_host_sequences_that_room_frees_up_for_sit_out_the_next_host_step():
 
 
 class _SlowCopy:
-    """Stands in for a CUDA promotion's event: reports its copy still running for the first `polls` queries."""
+    """A promotion's event (CUDA's own, or none where the copy was synchronous) that reports the copy still running
+    for the first `polls` queries."""
 
-    def __init__(self, polls: int):
-        self.polls, self.landed, self.queries = polls, False, 0
+    def __init__(self, event, polls: int):
+        self.event, self.polls, self.landed, self.queries = event, polls, False, 0
 
     def query(self) -> bool:
         self.queries += 1
-        self.landed = self.landed or self.queries > self.polls
+        self.landed = self.landed or (self.queries > self.polls and (self.event is None or self.event.query()))
         return self.landed
 
     def synchronize(self) -> None:
+        if self.event is not None:
+            self.event.synchronize()
         self.landed = True
 
 
 @pytest.mark.parametrize("polls", [0, 3, 1000])  # lands at once, after a few device steps, only when waited for
 def test_promoted_sequences_sit_out_both_lanes_until_their_copy_lands(qwen3_dir, polls):
-    # CUDA promotions copy beside the device lane's steps (ModelRunner.promote returns their event); here the
-    # copy itself is the synchronous one and the event is made to report it running.
+    # CUDA promotions copy beside the device lane's steps (ModelRunner.promote returns their event); here the event
+    # is made to report the copy running for longer (on CPU the copy itself is synchronous).
     llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
               cpu_block_size=16)
     engine, copies = llm.engine, []
     promote, run = engine.runner.promote, engine.runner.run
 
     def slow_promote(moves):
-        assert promote(moves) is None  # the test device copies synchronously
-        copies.append((_SlowCopy(polls), [seq for seq, _ in moves]))
+        event = promote(moves)
+        assert (event is None) == (TEST_DEVICE == "cpu")
+        copies.append((_SlowCopy(event, polls), [seq for seq, _ in moves]))
         return copies[-1][0]
 
     def checked_run(seqs, is_prefill, lane="device"):
