@@ -12,9 +12,10 @@ has no room for is demoted into the host lane, and host-tier sequences that are 
 into freed device room before new requests take it, so the device lane stays as full as under "gpu" and
 never idles while the host lane decodes the tail of a batch. Host sequences that room is about to free up
 for sit out the next host step (Scheduler.promotion_hold_back), so they are at hand when it does, except
-where a host step holds the executor from start to end (CUDA: engine/host_step_graphs.py); there promotions
-happen between host steps. On CUDA a promotion's copy runs beside the device lane's steps, and its sequences
-sit out both lanes until it has landed (ModelRunner.promote). Both
+where a host step holds the executor from start to end (engine/host_step_graphs.py) and a promotion would need
+it (ModelRunner.promotes_beside_host_steps); there promotions happen between host steps. On CUDA a promotion's
+copy runs beside the device lane's steps, a group of sequences at a time, and each group sits out both lanes
+until its copy has landed (ModelRunner.promote). Both
 lanes' step times feed LaneStats, which placement's cost checks predict from: whether a waiting request joins the
 host lane, and whether the host lane steps at all while the device lane has rows (placement.host_step_pays).
 """
@@ -29,6 +30,9 @@ from offload_engine.engine.model_runner import ModelRunner
 from offload_engine.engine.placement import can_ever_fit
 from offload_engine.engine.scheduler import Scheduler
 from offload_engine.engine.sequence import BlockLocation, Sequence
+
+
+PROMOTION_GROUP_BYTES = 512 << 20  # of KV per promotion copy that lands on its own (LLMEngine._promote)
 
 
 @dataclass
@@ -88,10 +92,11 @@ class LLMEngine:
         self._land_promotions(wait=False)
         # Host-tier sequences take freed device room before new requests do, as "gpu" re-admits its
         # preempted sequences first (engine/placement.py).
-        # A whole-step host loop holds the executor, which does promotions' reads, until its step is back:
-        # promote between host steps then, rather than have this thread wait on the executor for it.
-        between_host_steps = self.in_flight is None or not self.runner.host_step_holds_executor
-        moves = self.scheduler.schedule_promotions() if between_host_steps else []
+        # Where promotions need the executor, which a whole-step host loop holds until its step is back, promote
+        # between host steps, rather than have this thread wait on the executor.
+        promotes_now = self.in_flight is None or (self.runner.promotes_beside_host_steps
+                                                  and not self.runner.host_writes_pending())
+        moves = self.scheduler.schedule_promotions() if promotes_now else []
         if moves:
             self._promote(moves)
         batch = self.scheduler.schedule_prefill()
@@ -102,8 +107,8 @@ class LLMEngine:
         if self.in_flight is None:
             # Holding sequences back for a promotion mid-step helps only where promotions can happen mid-step.
             horizon = self.host_step_seconds / max(self.device_step_seconds, 1e-4) + 1
-            hold_back = (frozenset() if self.runner.host_step_holds_executor
-                         else self.scheduler.promotion_hold_back(horizon))
+            hold_back = (self.scheduler.promotion_hold_back(horizon) if self.runner.promotes_beside_host_steps
+                         else frozenset())
             if self.scheduler.host_step_pays():
                 self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU, hold_back=hold_back))
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
@@ -130,15 +135,22 @@ class LLMEngine:
         return StepStats(False, num_tokens, time.perf_counter() - start, finished)
 
     def _promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
-        """Starts the promotions' copies; where they run beside the device lane (ModelRunner.promote returns
-        their event), the sequences sit out both lanes, in flight, until the copies have landed."""
-        landed = self.runner.promote(moves)
-        if landed is None:
-            return
-        rows = [seq for seq, _ in moves]
-        for seq in rows:
-            seq.in_flight = True
-        self.promoting.append((landed, rows))
+        """Starts the promotions' copies, a group of at most PROMOTION_GROUP_BYTES of KV (or one sequence) at a
+        time; where they run beside the device lane (ModelRunner.promote returns an event), each group's sequences
+        sit out both lanes, in flight, until its copy has landed. Groups let the device lane take up the first
+        rows while the rest still cross: when the device rows of a prompt-heavy batch end together, 20 promotions
+        of 600 MB (8B) take ~0.27 s, during which it would otherwise have no row."""
+        group, group_bytes = [], 0
+        for move in moves:
+            group.append(move)
+            group_bytes += move[0].num_computed_tokens * self.stats.kv_bytes_per_token
+            if group_bytes >= PROMOTION_GROUP_BYTES or move is moves[-1]:
+                landed = self.runner.promote(group)
+                if landed is not None:
+                    for seq, _ in group:
+                        seq.in_flight = True
+                    self.promoting.append((landed, [seq for seq, _ in group]))
+                group, group_bytes = [], 0
 
     def _land_promotions(self, wait: bool) -> None:
         """Lets the promoted sequences whose copies have landed (with wait: all of them, once they have) decode

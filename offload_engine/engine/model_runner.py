@@ -183,6 +183,18 @@ class ModelRunner:
 
         return isinstance(self.decode_graphs.get("host"), HostStepGraphs)
 
+    @property
+    def promotes_beside_host_steps(self) -> bool:
+        """Whether a promotion can start while a host step is in flight, without waiting for it to come back: yes
+        unless the step holds the executor and the promotion needs it, to gather through staging (no mapped pool)
+        or to finish host-pool writes queued there first (promote waits for those)."""
+        if not self.host_step_holds_executor:
+            return True
+        return self.host_pool.device_layers() is not None
+
+    def host_writes_pending(self) -> bool:
+        return not all(write.done() for write in self._host_writes)
+
     def close(self) -> None:
         """Releases everything the runner holds, in dependency order; safe on a half-made runner and twice.
         The host lane must be idle (LLMEngine.close stops it first)."""

@@ -151,7 +151,11 @@ class _SlowCopy:
 
 
 @pytest.mark.parametrize("polls", [0, 3, 1000])  # lands at once, after a few device steps, only when waited for
-def test_promoted_sequences_sit_out_both_lanes_until_their_copy_lands(qwen3_dir, polls):
+@pytest.mark.parametrize("group_bytes", [1, 1 << 40])  # a copy per sequence, or every promotion of a step in one
+def test_promoted_sequences_sit_out_both_lanes_until_their_copy_lands(qwen3_dir, polls, group_bytes, monkeypatch):
+    from offload_engine.engine import llm_engine
+
+    monkeypatch.setattr(llm_engine, "PROMOTION_GROUP_BYTES", group_bytes)
     # CUDA promotions copy beside the device lane's steps (ModelRunner.promote returns their event); here the event
     # is made to report the copy running for longer (on CPU the copy itself is synchronous).
     llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
@@ -176,6 +180,7 @@ def test_promoted_sequences_sit_out_both_lanes_until_their_copy_lands(qwen3_dir,
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in max_tokens]
     outputs = llm.generate(prompts, params, use_tqdm=False)
     assert copies and all(copy.landed for copy, _ in copies) and not engine.promoting
+    assert group_bytes > 1 or all(len(rows) == 1 for _, rows in copies)
     assert [o.kv_promoted for o in outputs][2:] == [True, True]  # both long ones moved up (the test's point)
     for output, ref, n in zip(outputs, hf_greedy(qwen3_dir, prompts, 24), max_tokens):
         assert output.token_ids == ref[:n]
