@@ -116,6 +116,9 @@ def main() -> None:
     parser.add_argument("--host-priority", type=int, default=None,
                         help="the host lane's CUDA stream priority for this run (lower is more urgent; the engine's "
                              "is engine/cuda_streams.PRIORITIES['host'])")
+    parser.add_argument("--host-sm-share", type=int, default=None,
+                        help="the host lane's matrix products target 1/N of the SMs for this run (1: all of them; the "
+                             "engine's is engine/host_step_graphs.SM_SHARE)")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -124,6 +127,10 @@ def main() -> None:
         from offload_engine.engine import cuda_streams
 
         cuda_streams.PRIORITIES["host"] = cuda_streams.PRIORITIES["capture-host"] = args.host_priority
+    if args.host_sm_share is not None:
+        from offload_engine.engine import host_step_graphs
+
+        host_step_graphs.SM_SHARE = args.host_sm_share
     result = {"label": args.label, "model": args.model, "device": device_slug(), "date": time.strftime("%Y-%m-%d"),
               "torch": torch.__version__, "host_cores": os.cpu_count(), "config": vars(args),
               "switch_interval_s": __import__("sys").getswitchinterval()}
