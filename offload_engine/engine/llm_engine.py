@@ -27,6 +27,7 @@ from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.model_runner import ModelRunner
+from offload_engine.engine.move_staging import split_moves
 from offload_engine.engine.placement import can_ever_fit
 from offload_engine.engine.scheduler import Scheduler
 from offload_engine.engine.sequence import BlockLocation, Sequence
@@ -140,17 +141,14 @@ class LLMEngine:
         sit out both lanes, in flight, until its copy has landed. Groups let the device lane take up the first
         rows while the rest still cross: when the device rows of a prompt-heavy batch end together, 20 promotions
         of 600 MB (8B) take ~0.27 s, during which it would otherwise have no row."""
-        group, group_bytes = [], 0
-        for move in moves:
-            group.append(move)
-            group_bytes += move[0].num_computed_tokens * self.stats.kv_bytes_per_token
-            if group_bytes >= PROMOTION_GROUP_BYTES or move is moves[-1]:
-                landed = self.runner.promote(group)
-                if landed is not None:
-                    for seq, _ in group:
-                        seq.in_flight = True
-                    self.promoting.append((landed, [seq for seq, _ in group]))
-                group, group_bytes = [], 0
+        host_block_size = self.blocks.pool(BlockLocation.CPU).block_size
+        block_bytes = host_block_size * self.stats.kv_bytes_per_token  # every layer's K and V
+        for group in split_moves(moves, host_block_size, block_bytes, limit=PROMOTION_GROUP_BYTES):
+            landed = self.runner.promote(group)
+            if landed is not None:
+                for seq, _ in group:
+                    seq.in_flight = True
+                self.promoting.append((landed, [seq for seq, _ in group]))
 
     def _land_promotions(self, wait: bool) -> None:
         """Lets the promoted sequences whose copies have landed (with wait: all of them, once they have) decode

@@ -56,13 +56,15 @@ class MoveStaging:
         self._device = [None] * len(self._device)
 
 
-def split_moves(moves: list, host_block_size: int, layer_bytes_per_block: int) -> list[list]:
-    """Consecutive batches of (sequence, blocks) moves whose KV for one layer fits GROUP_BYTES (a sequence
-    larger than that makes a batch of its own)."""
+def split_moves(moves: list, host_block_size: int, bytes_per_block: int, limit: int | None = None) -> list[list]:
+    """Consecutive batches of (sequence, blocks) moves whose KV, at bytes_per_block per host block (one layer's for
+    the staged copies, every layer's for LLMEngine's promotion groups), fits `limit`, GROUP_BYTES by default (a
+    sequence larger than that makes a batch of its own)."""
+    limit = GROUP_BYTES if limit is None else limit
     batches, batch, batch_bytes = [], [], 0
     for move in moves:
-        nbytes = layer_bytes_per_block * -(-move[0].num_computed_tokens // host_block_size)
-        if batch and batch_bytes + nbytes > GROUP_BYTES:
+        nbytes = bytes_per_block * -(-move[0].num_computed_tokens // host_block_size)
+        if batch and batch_bytes + nbytes > limit:
             batches.append(batch)
             batch, batch_bytes = [], 0
         batch.append(move)

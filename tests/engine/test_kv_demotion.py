@@ -195,5 +195,5 @@ def test_moves_split_so_one_layer_of_a_batch_fits_a_staging_slot(monkeypatch):
         seq = Sequence(list(range(n + 1)), SamplingParams(), budget=n + 2)
         seq.num_computed_tokens = n
         seqs.append((seq, []))
-    batches = move_staging.split_moves(seqs, host_block_size=16, layer_bytes_per_block=10)
+    batches = move_staging.split_moves(seqs, host_block_size=16, bytes_per_block=10)
     assert [[s.num_computed_tokens for s, _ in b] for b in batches] == [[16, 20, 64, 1], [200], [5]]
