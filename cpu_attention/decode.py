@@ -6,12 +6,12 @@ block_tables [B, max_blocks] padded with -1, context_lens [B], Hq % Hkv == 0 -> 
 lse float32 [B, Hq] (natural log); a row with context 0 gives out 0 and lse -inf. Everything is a torch CPU
 tensor; the caches must be contiguous because they are never copied.
 
-q is widened and scaled, and the float32 output rounded to q's dtype, in numpy, not in torch: both touch
-[B, Hq, D] only, but a torch CPU op of more than 32k elements on the executor's thread makes torch start an
-OpenMP team of its own there, whose threads then spin beside the kernel's. On the H100 host the kernel took
-97 ms a step with the device lane idle and 285 ms with it busy; 81 and 89 ms with numpy (benchmarks/NOTES.md),
-with the GQA-group-2 pass of decode_kernel.py landed at the same time. numpy's casts are
-single-threaded; float16 rounds in numpy's own cast, bfloat16 by round-to-nearest-even on the bits.
+The kernel takes q as it is (it widens and scales it per work item, or multiplies bfloat16 patterns as they
+are), and its float32 output is rounded to q's dtype in numpy, not in torch: a torch CPU op of more than 32k
+elements on the executor's thread makes torch start an OpenMP team of its own there, whose threads then spin
+beside the kernel's. On the H100 host the kernel took 97 ms a step with the device lane idle and 285 ms with it
+busy; 81 and 89 ms with numpy casts (benchmarks/NOTES.md). numpy's casts are single-threaded; float16 rounds in
+numpy's own cast, bfloat16 by round-to-nearest-even on the bits.
 """
 import numba
 import numpy as np
@@ -38,21 +38,11 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     batch, num_q_heads, head_dim = q.shape
     out = np.empty((batch, num_q_heads, head_dim), np.float32)
     lse = np.empty((batch, num_q_heads), np.float32)
-    error = decode_kernel(scaled_query(q, scale), kernel_view(k_cache), kernel_view(v_cache), _int32(block_tables),
-                          _int32(context_lens), 0, numba.get_num_threads(), out, lse)
+    error = decode_kernel(kernel_view(q.contiguous()), kernel_view(k_cache), kernel_view(v_cache),
+                          _int32(block_tables), _int32(context_lens), scale, 0, numba.get_num_threads(), out, lse)
     if error:
         raise ValueError(f"paged_decode_attention: {ERRORS[error]}")
     return torch.from_numpy(narrowed(out, q.dtype)).view(q.dtype), torch.from_numpy(lse)
-
-
-def scaled_query(q: torch.Tensor, scale: float) -> np.ndarray:
-    """A fresh contiguous float32 copy of q times scale, whatever q's dtype and strides (q itself untouched)."""
-    if q.dtype == torch.bfloat16:  # bfloat16 is the top half of a float32
-        wide = (q.view(torch.int16).numpy().view(np.uint16).astype(np.uint32) << np.uint32(16)).view(np.float32)
-    else:
-        wide = q.numpy().astype(np.float32)  # always a copy, C-contiguous
-    wide *= np.float32(scale)
-    return wide
 
 
 def narrowed(out: np.ndarray, dtype: torch.dtype) -> np.ndarray:

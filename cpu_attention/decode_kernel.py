@@ -8,9 +8,10 @@ Element types: float32 arrays are used as they are. numba has neither bfloat16 n
 16-bit patterns: bfloat16 as uint16, float16 as int16. The array's element type alone selects the widening to
 float32, so one kernel source serves the three dtypes; all arithmetic is float32.
 
-Contract: decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks, num_threads, out, lse)
-- q float32 [B, Hq, D], already multiplied by the softmax scale; Hq % Hkv == 0, query head h uses kv head
-  h // (Hq / Hkv);
+Contract: decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out,
+lse)
+- q [B, Hq, D] in the caches' element type, not scaled: scores are scale * q.k; Hq % Hkv == 0, query head h uses
+  kv head h // (Hq / Hkv);
 - block_tables int32 [B, max_blocks], -1 padded; entries past a context are never read;
 - context_lens int32 [B]; a zero-length row gives out 0 and lse -inf;
 - chunk_blocks: blocks per split (<= 0: plan_chunk_blocks); num_threads: numba's thread count of the caller
@@ -21,14 +22,17 @@ Contract: decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_b
 Work split: an item is (sequence, split, kv head); a split is chunk_blocks consecutive blocks of one sequence,
 so one long sequence still feeds every core (split-K). Each item runs an online softmax block by block: scores
 of the whole block first, then max/exp, then the V accumulation; the group's query heads share every K/V row
-they load (GQA). Workers take items from an atomic counter: numba's OpenMP layer schedules prange statically,
-and one core busy with the engine's main thread must not hold up the whole step. Partial results are merged
-per (sequence, query head) by log-sum-exp.
+they load (GQA). With bfloat16 caches on CPUs that have AVX-512 BF16, the scores come from `vdpbf16ps` on the
+bit patterns as stored (`_block_scores_bf16`): 32 exact products a instruction, nothing widened; otherwise each
+item widens its group's queries once and every K element as it is loaded. Workers take items from an atomic
+counter: numba's OpenMP layer schedules prange statically, and one core busy with the engine's main thread must
+not hold up the whole step. Partial results are merged per (sequence, query head) by log-sum-exp.
 
 Everything this kernel inlines lives in this file on purpose: numba's on-disk cache is keyed on the source
 file of the cached function alone, so a helper edited in another file would be served stale from the cache.
 """
 import math
+import os
 import platform
 
 import numpy as np
@@ -162,6 +166,210 @@ def _prefer_wide_vectors(typingctx):
         return context.get_dummy_value()
 
     return types.void(), codegen
+
+
+# ---- AVX-512 BF16: dot products on bfloat16 bit patterns ------------------------------------------------------
+def _host_has_bf16_dot() -> bool:
+    """Whether this CPU has vdpbf16ps (AVX-512 BF16: Sapphire Rapids and later Xeons, Zen 4 and later).
+    OFFLOAD_ENGINE_BF16_DOT=0 turns the path off, for tests of the widening path on such CPUs: numba's cache
+    keys the compiled kernel on the CPU, not on this variable, so a process that sets it needs its own
+    NUMBA_CACHE_DIR."""
+    import llvmlite.binding as llvm
+
+    if os.environ.get("OFFLOAD_ENGINE_BF16_DOT", "1") == "0":
+        return False
+    return platform.machine().lower() in ("x86_64", "amd64") and bool(llvm.get_host_cpu_features().get("avx512bf16"))
+
+
+BF16_DOT = _host_has_bf16_dot()  # frozen into the compiled kernel, which numba caches per CPU model and features
+BF16_LANES = 32  # bfloat16 values per vdpbf16ps operand: head_dim must be a multiple of this for the bf16 path
+
+
+class _BFloat(ir.types._BaseFloatType):
+    """LLVM's bfloat type, which llvmlite does not name: only ever a bitcast target for 16-bit patterns."""
+    null = "0xR0000"
+    intrinsic_name = "bf16"
+
+    def __str__(self):
+        return "bfloat"
+
+    def format_constant(self, value):
+        return "0xR0000"
+
+
+_BFloat._create_instance()
+
+
+def _bf16_tile(num_heads, num_rows):
+    """An intrinsic tile(q, q_row, k, k_row, scores, score_row, dim, scale), on addresses and row strides in bytes
+    (ints): scores[i, j] = scale * q[i] . k[j] for i < num_heads, j < num_rows, where q and k hold uint16 bfloat16
+    patterns, rows of `dim` values (a multiple of BF16_LANES), and scores float32.
+
+    Every 32-value stretch of a query row and a K row is one vdpbf16ps into a float32 accumulator per (head,
+    row): each product is exact in float32 and the sums are float32, as in the widening path, in another order.
+    The heads x rows accumulators share each load, as the widening path's sums do. Addresses, not arrays: numba
+    increments and decrements an array argument's reference count around every call, atomically, on one cache
+    line that every worker shares (that made this path slower than widening)."""
+
+    @intrinsic
+    def tile(typingctx, q, q_row, k, k_row, scores, score_row, dim, scale):
+        def codegen(context, builder, signature, args):
+            intp = context.get_value_type(types.intp)
+            q_addr, q_step, k_addr, k_step, s_addr, s_step, length = (
+                context.cast(builder, args[i], signature.args[i], types.intp) for i in range(7))
+            floats, halves = ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.IntType(16), BF16_LANES)
+            bfloats = ir.VectorType(_BFloat(), BF16_LANES)
+            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats, bfloats, bfloats]),
+                                                 "llvm.x86.avx512bf16.dpbf16ps.512")
+            sums = [[cgutils.alloca_once_value(builder, ir.Constant(floats, None)) for _ in range(num_rows)]
+                    for _ in range(num_heads)]
+
+            def load(address):
+                pointer = builder.inttoptr(address, halves.as_pointer())
+                return builder.bitcast(builder.load(pointer, align=2), bfloats)
+
+            with cgutils.for_range(builder, builder.udiv(length, intp(BF16_LANES))) as loop:
+                offset = builder.mul(loop.index, intp(2 * BF16_LANES))  # bytes
+                qs = [load(builder.add(builder.add(q_addr, builder.mul(q_step, intp(i))), offset))
+                      for i in range(num_heads)]
+                ks = [load(builder.add(builder.add(k_addr, builder.mul(k_step, intp(j))), offset))
+                      for j in range(num_rows)]
+                for i in range(num_heads):
+                    for j in range(num_rows):
+                        builder.store(builder.call(dot, [builder.load(sums[i][j]), qs[i], ks[j]]), sums[i][j])
+            vectors = [builder.load(sums[i][j]) for i in range(num_heads) for j in range(num_rows)]
+            lanes, scaled = _reduce_across(builder, vectors), None
+            for i in range(num_heads):
+                address = builder.add(s_addr, builder.mul(s_step, intp(i)))
+                if num_rows == 1:
+                    value = builder.extract_element(lanes[0], ir.IntType(32)(lanes[1].index(i)))
+                    builder.store(builder.fmul(value, args[7]), builder.inttoptr(address, ir.FloatType().as_pointer()))
+                    continue
+                if scaled is None:
+                    scaled = builder.fmul(lanes[0], _splat(builder, args[7], 16))
+                row = builder.shuffle_vector(scaled, scaled, ir.Constant(
+                    ir.VectorType(ir.IntType(32), num_rows), [lanes[1].index(i * num_rows + j) for j in range(num_rows)]))
+                builder.store(row, builder.inttoptr(address, ir.VectorType(ir.FloatType(), num_rows).as_pointer()),
+                              align=4)
+            return context.get_dummy_value()
+
+        integers = (q, q_row, k, k_row, scores, score_row, dim)
+        if not (all(isinstance(a, types.Integer) for a in integers) and scale == types.float32):
+            return None
+        return types.void(q, q_row, k, k_row, scores, score_row, dim, scale), codegen
+
+    return tile
+
+
+def _splat(builder, value, count):
+    """<count x float> with every lane `value`."""
+    vector = builder.insert_element(ir.Constant(ir.VectorType(ir.FloatType(), count), None), value, ir.IntType(32)(0))
+    return builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(ir.IntType(32), count), [0] * count))
+
+
+def _reduce_across(builder, vectors):
+    """Sums each of n <16 x float> vectors (n a power of two <= 16) into one vector of 16 lanes: returns (vector,
+    owner), owner[lane] = which input's total the lane holds (every input owns at least one lane).
+
+    One horizontal sum per vector costs four shuffles and four adds, 64 of each for the 16 sums of a 4 x 4 tile,
+    more than its dot products. Here each step adds pairs of vectors after two shuffles that put the two halves
+    of every partial sum side by side, so the partial sums of two inputs share one vector: 15 adds and 30
+    shuffles for 16 inputs. Fewer inputs finish by folding the vector onto itself."""
+    index = lambda values: ir.Constant(ir.VectorType(ir.IntType(32), 16), values)
+    owners = [[k] * 16 for k in range(len(vectors))]
+    half = 8
+    while half >= 1:
+        paired = len(vectors) > 1
+        nxt, nxt_owners = [], []
+        for m in range(0, len(vectors), 2 if paired else 1):
+            a, b = vectors[m], vectors[m + 1] if paired else vectors[m]
+            oa, ob = owners[m], owners[m + 1] if paired else owners[m]
+            lo, hi, owner = [], [], []
+            for p in range(16):
+                first = (p // half) % 2 == 0 or not paired
+                lane = (p // (2 * half)) * 2 * half + p % half
+                offset = 0 if first else 16
+                lo.append(lane + offset)
+                hi.append(lane + half + offset)
+                owner.append((oa if first else ob)[lane])
+            nxt.append(builder.fadd(builder.shuffle_vector(a, b, index(lo)), builder.shuffle_vector(a, b, index(hi))))
+            nxt_owners.append(owner)
+        vectors, owners = nxt, nxt_owners
+        half //= 2
+    return vectors[0], owners[0]
+
+
+def _bf16_values_tile(num_heads, num_rows):
+    """An intrinsic tile(v, v_row, p, p_row, acc, acc_row, dim), on addresses and row strides in bytes (ints):
+    acc[i] += sum_j p[i, j] * v[j] for i < num_heads, j < num_rows, where v holds uint16 bfloat16 patterns (rows
+    of `dim` values, a multiple of BF16_LANES), p and acc float32.
+
+    vdpbf16ps multiplies pairs: two V rows are interleaved value by value (one shuffle per 32 values), and the two
+    rows' probabilities, rounded to bfloat16 (as flash-attention rounds P before its P x V product), are
+    broadcast as one pair. Each product is exact in float32 and the sums are float32. An odd last row pairs with
+    zeros. Eight rows a tile: each accumulator row is loaded and stored once per eight V rows."""
+
+    @intrinsic
+    def tile(typingctx, v, v_row, p, p_row, acc, acc_row, dim):
+        def codegen(context, builder, signature, args):
+            intp, i32 = context.get_value_type(types.intp), ir.IntType(32)
+            v_addr, v_step, p_addr, p_step, a_addr, a_step, length = (
+                context.cast(builder, args[i], signature.args[i], types.intp) for i in range(7))
+            floats, halves = ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.IntType(16), BF16_LANES)
+            bfloats = ir.VectorType(_BFloat(), BF16_LANES)
+            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats, bfloats, bfloats]),
+                                                 "llvm.x86.avx512bf16.dpbf16ps.512")
+            at = lambda address, kind: builder.inttoptr(address, kind.as_pointer())
+            pairs = (num_rows + 1) // 2
+            weights = []  # [head][pair]: the pair's two probabilities in bfloat16, in every lane
+            for i in range(num_heads):
+                row = builder.add(p_addr, builder.mul(p_step, intp(i)))
+                weights.append([])
+                for k in range(pairs):
+                    pair = ir.Constant(ir.VectorType(_BFloat(), 2), None)
+                    for r in range(2):
+                        if 2 * k + r < num_rows:
+                            value = builder.load(at(builder.add(row, intp(4 * (2 * k + r))), ir.FloatType()), align=4)
+                            pair = builder.insert_element(pair, builder.fptrunc(value, _BFloat()), i32(r))
+                    bits = builder.bitcast(pair, i32)
+                    splat = builder.insert_element(ir.Constant(ir.VectorType(i32, 16), None), bits, i32(0))
+                    splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
+                    weights[i].append(builder.bitcast(splat, bfloats))
+            low = ir.Constant(ir.VectorType(i32, BF16_LANES), [w // 2 + (w % 2) * BF16_LANES for w in range(BF16_LANES)])
+            high = ir.Constant(ir.VectorType(i32, BF16_LANES), [16 + w // 2 + (w % 2) * BF16_LANES for w in range(BF16_LANES)])
+            zeros = ir.Constant(halves, None)
+            with cgutils.for_range(builder, builder.udiv(length, intp(BF16_LANES))) as loop:
+                offset = builder.mul(loop.index, intp(2 * BF16_LANES))  # bytes into a V row
+                rows = [builder.load(at(builder.add(builder.add(v_addr, builder.mul(v_step, intp(j))), offset), halves),
+                                     align=2) for j in range(num_rows)]
+                # Values 0-15 of the pair's rows interleaved, then values 16-31: the float32 lanes stay in order.
+                mixed = []
+                for k in range(pairs):
+                    first, second = rows[2 * k], rows[2 * k + 1] if 2 * k + 1 < num_rows else zeros
+                    mixed.append((builder.bitcast(builder.shuffle_vector(first, second, low), bfloats),
+                                  builder.bitcast(builder.shuffle_vector(first, second, high), bfloats)))
+                for i in range(num_heads):
+                    base = builder.add(builder.add(a_addr, builder.mul(a_step, intp(i))), builder.add(offset, offset))
+                    halves_at = (at(base, floats), at(builder.add(base, intp(64)), floats))
+                    for h in range(2):
+                        total = builder.load(halves_at[h], align=4)
+                        for k in range(pairs):
+                            total = builder.call(dot, [total, weights[i][k], mixed[k][h]])
+                        builder.store(total, halves_at[h], align=4)
+            return context.get_dummy_value()
+
+        if not all(isinstance(a, types.Integer) for a in (v, v_row, p, p_row, acc, acc_row, dim)):
+            return None
+        return types.void(v, v_row, p, p_row, acc, acc_row, dim), codegen
+
+    return tile
+
+
+_vtile_4x8, _vtile_2x8, _vtile_1x8 = _bf16_values_tile(4, 8), _bf16_values_tile(2, 8), _bf16_values_tile(1, 8)
+_vtile_4x2, _vtile_2x2, _vtile_1x2 = _bf16_values_tile(4, 2), _bf16_values_tile(2, 2), _bf16_values_tile(1, 2)
+_vtile_4x1, _vtile_2x1, _vtile_1x1 = _bf16_values_tile(4, 1), _bf16_values_tile(2, 1), _bf16_values_tile(1, 1)
+
+_tile_4x4, _tile_2x4, _tile_1x4, _tile_1x1 = _bf16_tile(4, 4), _bf16_tile(2, 4), _bf16_tile(1, 4), _bf16_tile(1, 1)
 
 
 # ---- the split plan ----------------------------------------------------------------------------------------
@@ -301,6 +509,115 @@ def _dot(q, head, kb, t):
     return s
 
 
+def _bf16_dot_applies(q, dim):
+    """Whether _block_scores_bf16 serves these queries (numba-only: see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_bf16_dot_applies, inline="always")
+def _bf16_dot_applies_impl(q, dim):
+    if BF16_DOT and isinstance(q, types.Array) and q.dtype == types.uint16:
+        return lambda q, dim: dim % BF16_LANES == 0
+    return lambda q, dim: False
+
+
+@njit(nogil=True, fastmath=FASTMATH)
+def _block_scores_bf16(q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale):
+    """_block_scores for bfloat16 patterns, unscaled queries q [Hq, D] and D a multiple of BF16_LANES: the
+    same passes (four rows by a quad, a pair or a single head of the group), each a vdpbf16ps tile."""
+    dim = kb.shape[1]
+    step = CACHE_LINE_BYTES // kb.itemsize
+    quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
+    q_step, k_step, s_step = q.strides[0], kb.strides[0], scores.strides[0]
+    heads, rows, out = q.ctypes.data + h0 * q_step, kb.ctypes.data, scores.ctypes.data
+    for t in range(0, n4, 4):
+        for r in range(4):
+            _prefetch_row(k_cache, next_block + (t + r) * dim, step)
+        k = rows + t * k_step
+        for g in range(0, quads, 4):
+            _tile_4x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
+        for g in range(quads, pairs, 2):
+            _tile_2x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
+        for g in range(pairs, group):
+            _tile_1x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
+    for t in range(n4, n):
+        _prefetch_row(k_cache, next_block + t * dim, step)
+        for g in range(group):
+            _tile_1x1(heads + g * q_step, q_step, rows + t * k_step, k_step, out + g * s_step + 4 * t, s_step, dim,
+                      scale)
+    for g in range(group):
+        top = np.float32(-np.inf)
+        for t in range(n):
+            top = max(top, scores[g, t])
+        block_max[g] = top
+
+
+@njit(nogil=True)
+def _block_values_bf16(vb, n, scores, acc, v_cache, next_block):
+    """_block_values for bfloat16 patterns and D a multiple of BF16_LANES, eight rows a pass (then pairs, then
+    an odd last row), the group's heads in quads, then a pair, then a single head, each pass a vdpbf16ps tile."""
+    group, dim = acc.shape
+    step = CACHE_LINE_BYTES // vb.itemsize
+    quads, pairs, n8, n2 = group - group % 4, group - group % 2, n - n % 8, n - n % 2
+    v_step, p_step, a_step = vb.strides[0], scores.strides[0], acc.strides[0]
+    rows, weights, sums = vb.ctypes.data, scores.ctypes.data, acc.ctypes.data
+    for t in range(0, n8, 8):
+        for r in range(8):
+            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
+        v = rows + t * v_step
+        for g in range(0, quads, 4):
+            _vtile_4x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(quads, pairs, 2):
+            _vtile_2x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(pairs, group):
+            _vtile_1x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+    for t in range(n8, n, 2):
+        for r in range(min(2, n - t)):
+            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
+        v = rows + t * v_step
+        if t < n2:
+            for g in range(0, quads, 4):
+                _vtile_4x2(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+            for g in range(quads, pairs, 2):
+                _vtile_2x2(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+            for g in range(pairs, group):
+                _vtile_1x2(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        else:
+            for g in range(0, quads, 4):
+                _vtile_4x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+            for g in range(quads, pairs, 2):
+                _vtile_2x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+            for g in range(pairs, group):
+                _vtile_1x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+
+
+def _values_bf16(vb, n, scores, acc, v_cache, next_block):
+    """_block_values_bf16 where the types allow it (numba-only: see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_values_bf16)
+def _values_bf16_impl(vb, n, scores, acc, v_cache, next_block):
+    if BF16_DOT and vb.dtype == types.uint16:
+        return lambda vb, n, scores, acc, v_cache, next_block: _block_values_bf16(vb, n, scores, acc, v_cache,
+                                                                                  next_block)
+    return lambda vb, n, scores, acc, v_cache, next_block: None  # never called, as _scores_bf16's
+
+
+def _scores_bf16(q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale):
+    """_block_scores_bf16 where the types allow it (numba-only: see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_scores_bf16)
+def _scores_bf16_impl(q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale):
+    if BF16_DOT and q.dtype == types.uint16 and kb.dtype == types.uint16:
+        return lambda q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale: _block_scores_bf16(
+            q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale)
+    # Never called: _bf16_dot_applies is False for these types. Typed all the same, as its branch's other side.
+    return lambda q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale: None
+
+
 @njit(nogil=True, fastmath=FASTMATH)
 def _softmax_update(scores, n, block_maxes, running_max, running_sum, acc):
     """Turns the block's scores into exp(score - new max) in place; rescales the history only when the max
@@ -368,12 +685,19 @@ def _block_values(vb, n, scores, acc, v_cache, next_block):
 
 # ---- one work item and the merge ---------------------------------------------------------------------------
 @njit(nogil=True, fastmath=FASTMATH)
-def _attend_split(q, k_cache, v_cache, table_row, context_len, h, first, last, acc, running_max, running_sum,
-                  scores, block_max):
-    """Online softmax of one (sequence, kv head) over blocks first..last-1 of its table row."""
+def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h, first, last, acc, running_max,
+                  running_sum, scores, block_max):
+    """Online softmax of one (sequence, kv head) over blocks first..last-1 of its table row. q [Hq, D] is the
+    sequence's query as given; wide_q [group, D] is the worker's scratch for its group's heads widened and
+    scaled, where the scores do not come from bfloat16 dot products."""
     _prefer_wide_vectors()
     group, dim = acc.shape
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    bf16 = _bf16_dot_applies(q, dim)
+    if not bf16:
+        for g in range(group):
+            for d in range(dim):
+                wide_q[g, d] = widen(q[h * group + g, d]) * scale
     running_max[:] = -np.inf
     running_sum[:] = 0.0
     acc[:] = 0.0
@@ -389,9 +713,15 @@ def _attend_split(q, k_cache, v_cache, table_row, context_len, h, first, last, a
         n = min(block_size, context_len - j * block_size)
         ahead = table_row[j + distance] if j + distance < last else block
         next_block = (ahead * num_kv_heads + h) * block_size * dim
-        _block_scores(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_block)
+        if bf16:
+            _scores_bf16(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_block, scale)
+        else:
+            _block_scores(wide_q, 0, group, k_cache[block, h], n, scores, block_max, k_cache, next_block)
         _softmax_update(scores, n, block_max, running_max, running_sum, acc)
-        _block_values(v_cache[block, h], n, scores, acc, v_cache, next_block)
+        if bf16:
+            _values_bf16(v_cache[block, h], n, scores, acc, v_cache, next_block)
+        else:
+            _block_values(v_cache[block, h], n, scores, acc, v_cache, next_block)
 
 
 @njit(nogil=True, fastmath=FASTMATH)
@@ -442,11 +772,18 @@ def _worker_scratch(num_workers, block_size, group):
     return np.empty((num_workers, group + 4, stride), np.float32)
 
 
+@njit(nogil=True, cache=True)
+def _worker_queries(num_workers, group, dim):
+    """Per worker: its item's group of queries, widened and scaled [group, D] (C-contiguous, so the dot products
+    vectorize)."""
+    return np.empty((num_workers, group, dim), np.float32)
+
+
 @njit(nogil=True, fastmath=FASTMATH)
-def _attend_item(item, q, k_cache, v_cache, block_tables, context_lens, split_seq, offsets, chunk_blocks, part_acc,
-                 part_max, part_sum, scores, stats):
+def _attend_item(item, q, scale, wide_q, k_cache, v_cache, block_tables, context_lens, split_seq, offsets,
+                 chunk_blocks, part_acc, part_max, part_sum, scores, stats):
     """Work item `item` = (split, kv head) into its partial: part_acc[item], part_max[item], part_sum[item].
-    scores and stats are the worker's scratch rows (stats: block max, running max, running sum)."""
+    wide_q, scores and stats are the worker's scratch (stats: block max, running max, running sum)."""
     _prefer_wide_vectors()  # LLVM inlines the block loops here: the attribute must be on this function too
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     split, h = item // num_kv_heads, item % num_kv_heads
@@ -454,8 +791,8 @@ def _attend_item(item, q, k_cache, v_cache, block_tables, context_lens, split_se
     last_block = (context_lens[b] + block_size - 1) // block_size
     first = min((split - offsets[b]) * chunk_blocks, last_block)
     last = min(first + chunk_blocks, last_block)
-    _attend_split(q[b], k_cache, v_cache, block_tables[b], context_lens[b], h, first, last, part_acc[item],
-                  stats[1], stats[2], scores, stats[0])
+    _attend_split(q[b], scale, wide_q, k_cache, v_cache, block_tables[b], context_lens[b], h, first, last,
+                  part_acc[item], stats[1], stats[2], scores, stats[0])
     for g in range(part_max.shape[1]):
         part_max[item, g], part_sum[item, g] = stats[1, g], stats[2, g]
 
@@ -473,7 +810,7 @@ def _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out, ls
 
 
 @njit(parallel=True, nogil=True, fastmath=FASTMATH, cache=True)
-def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks, num_threads, out, lse):
+def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out, lse):
     batch, num_q_heads, dim = q.shape
     num_blocks, num_kv_heads, block_size = k_cache.shape[0], k_cache.shape[1], k_cache.shape[2]
     group = num_q_heads // num_kv_heads
@@ -485,13 +822,14 @@ def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, chunk_blocks,
     num_items = part_acc.shape[0]
     tickets = np.zeros(1, np.int64)
     num_workers = min(num_threads, num_items)
-    scratch = _worker_scratch(num_workers, block_size, group)
+    scratch, queries = _worker_scratch(num_workers, block_size, group), _worker_queries(num_workers, group, dim)
+    scale32 = np.float32(scale)
     for w in prange(num_workers):
         scores, stats = scratch[w, :group], scratch[w, group:group + 3]  # whole rows keep them C-contiguous
         item = _count(tickets, 0)
         while item < num_items:
-            _attend_item(item, q, k_cache, v_cache, block_tables, context_lens, split_seq, offsets, chunk_blocks,
-                         part_acc, part_max, part_sum, scores, stats)
+            _attend_item(item, q, scale32, queries[w], k_cache, v_cache, block_tables, context_lens,
+                         split_seq, offsets, chunk_blocks, part_acc, part_max, part_sum, scores, stats)
             item = _count(tickets, 0)
     for row in prange(batch * num_q_heads):
         _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out, lse)
@@ -576,23 +914,18 @@ def _wait_for(flags_or_counts, index, target, abandon):
     return True
 
 
-@njit(nogil=True, fastmath=FASTMATH)
-def _take_in_row(k_new, v_new, k_cache, v_cache, slot, q, scale, wide):
-    """One row's new token into its slot (-1: no token; bit patterns copied, never widened), and its query
-    widened and scaled."""
-    _prefer_wide_vectors()
+@njit(nogil=True)
+def _take_in_row(k_new, v_new, k_cache, v_cache, slot):
+    """One row's new token into its slot (-1: no token; bit patterns copied, never widened)."""
     if slot >= 0:
         block, offset = slot // k_cache.shape[2], slot % k_cache.shape[2]
         for h in range(k_cache.shape[1]):
             for d in range(k_cache.shape[3]):
                 k_cache[block, h, offset, d] = k_new[h, d]
                 v_cache[block, h, offset, d] = v_new[h, d]
-    for h in range(q.shape[0]):
-        for d in range(q.shape[1]):
-            wide[h, d] = widen(q[h, d]) * scale
 
 
-# A layer's three phases, each a queue of items: rows in (store + widen), attention items, merges. Each phase has a
+# A layer's three phases, each a queue of items: rows in (stores), attention items, merges. Each phase has a
 # ticket counter and a tally of finished items, each on a cache line of its own (8 int64s).
 _LINE = 8
 _TICKETS, _DONE = 0, _LINE
@@ -637,9 +970,8 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
     chunk_blocks, offsets, split_seq, part_acc, part_max, part_sum = _work_plan(
         context_lens, block_size, num_kv_heads, group, dim, 0, num_threads)
     num_items, num_rows = part_acc.shape[0], batch * num_q_heads
-    wide = np.empty((batch, num_q_heads, dim), np.float32)
     counts = np.zeros((num_layers, 6 * _LINE), np.int64)
-    scratch = _worker_scratch(num_threads, block_size, group)
+    scratch, queries = _worker_scratch(num_threads, block_size, group), _worker_queries(num_threads, group, dim)
     scale32 = np.float32(scale)
     for w in prange(num_threads):
         scores, stats = scratch[w, :group], scratch[w, group:group + 3]
@@ -657,16 +989,16 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
             while b < batch:
                 if b == 0:
                     times[layer + 1, 0] = _cycles()
-                _take_in_row(k_new[layer, b], v_new[layer, b], k_cache, v_cache, slots[b], q[layer, b], scale32,
-                             wide[b])
+                _take_in_row(k_new[layer, b], v_new[layer, b], k_cache, v_cache, slots[b])
                 _count(c, _ROWS_IN + _DONE)
                 b = _count(c, _ROWS_IN + _TICKETS)
             if not _wait_for(c, _ROWS_IN + _DONE, batch, flags):
                 break
             item = _count(c, _ATTEND + _TICKETS)
             while item < num_items:
-                _attend_item(item, wide, k_cache, v_cache, block_tables, context_lens, split_seq, offsets,
-                             chunk_blocks, part_acc, part_max, part_sum, scores, stats)
+                _attend_item(item, q[layer], scale32, queries[w], k_cache, v_cache, block_tables,
+                             context_lens, split_seq, offsets, chunk_blocks, part_acc, part_max, part_sum, scores,
+                             stats)
                 _count(c, _ATTEND + _DONE)
                 item = _count(c, _ATTEND + _TICKETS)
             if not _wait_for(c, _ATTEND + _DONE, num_items, flags):

@@ -3,7 +3,11 @@
 Unowned cache slots hold NaN (tests.reference.random_paged_kv), so reading past a context length fails loudly.
 """
 import math
+import os
+import subprocess
+import sys
 import threading
+from pathlib import Path
 
 import numba
 import numpy as np
@@ -18,9 +22,9 @@ from tests.reference import paged_decode_reference, random_paged_kv, relative_er
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 LSE_ATOL = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
-# (query heads per kv head, head_dim, block_size): GQA 1/2/4/8 plus a group that is not a multiple of four,
+# (query heads per kv head, head_dim, block_size): GQA 1/2/4/8 plus groups that are not a multiple of four,
 # the model head dims 64/128, the tiny models' odd ones, and a block size that is not a power of two.
-SHAPES = [(1, 64, 16), (2, 128, 32), (4, 128, 64), (8, 64, 16), (4, 24, 16), (3, 8, 5)]
+SHAPES = [(1, 64, 16), (2, 128, 32), (4, 128, 64), (8, 64, 16), (6, 64, 16), (3, 32, 5), (4, 24, 16), (3, 8, 5)]
 
 
 def _boundary_lengths(block_size):
@@ -210,3 +214,32 @@ def test_one_worker_keeps_the_unsafe_workqueue_layer_alive():
                           text=True, timeout=120)
     assert done.returncode == 0, done.stderr[-2000:]
     assert "layer workqueue" in done.stdout
+
+
+_WIDENING_CHECK = """
+import math, torch
+from cpu_attention import decode_kernel, paged_decode_attention
+from tests.reference import paged_decode_reference, random_paged_kv, relative_error
+assert not decode_kernel.BF16_DOT
+for group, head_dim, block_size, lens in ((4, 128, 64, [200, 64, 1, 0]), (2, 64, 16, [33, 16, 5])):
+    k, v, tables, keys, values = random_paged_kv(lens, 2, head_dim, block_size, torch.bfloat16, layout="head_major")
+    q = torch.randn(len(lens), 2 * group, head_dim).to(torch.bfloat16)
+    out, lse = paged_decode_attention(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), 1 / math.sqrt(head_dim))
+    ref, ref_lse = paged_decode_reference(q, keys, values, 1 / math.sqrt(head_dim))
+    filled = torch.tensor(lens) > 0
+    print(relative_error(out[filled], ref[filled]), (lse[filled].double() - ref_lse[filled]).abs().max().item())
+"""
+
+
+def test_bfloat16_without_the_dot_product_instruction_widens_and_matches(tmp_path):
+    """The widening path for bfloat16 caches, which CPUs without AVX-512 BF16 take, on any CPU: a process of its
+    own with the bf16 path turned off and a numba cache of its own (the switch is not part of numba's cache key)."""
+    env = dict(os.environ, OFFLOAD_ENGINE_BF16_DOT="0", NUMBA_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _WIDENING_CHECK], env=env, capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parents[2], timeout=600)
+    assert done.returncode == 0, done.stderr
+    lines = done.stdout.strip().splitlines()
+    assert len(lines) == 2, done.stdout
+    for line in lines:
+        error, lse_error = map(float, line.split())
+        assert error < TOLERANCE[torch.bfloat16] and lse_error < LSE_ATOL[torch.bfloat16]

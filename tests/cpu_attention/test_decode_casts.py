@@ -3,7 +3,8 @@ import numpy as np
 import pytest
 import torch
 
-from cpu_attention.decode import narrowed, scaled_query
+from cpu_attention import paged_decode_attention
+from cpu_attention.decode import narrowed
 
 SPECIALS = [float("nan"), -float("nan"), float("inf"), -float("inf"), 0.0, -0.0, 3.4e38, -3.4e38, 1e-40, 65504.0,
             65520.0, 1e-8, 6e-8, 2.0 ** -14 + 2.0 ** -25]
@@ -21,10 +22,11 @@ def test_narrowed_rounds_as_torch_does(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
-def test_scaled_query_is_a_contiguous_float32_copy(dtype):
-    q = (torch.randn(6, 8, 64) * 4).to(dtype)[:, ::2]  # strided: every other head
+def test_a_strided_query_is_read_as_its_contiguous_copy_and_left_untouched(dtype):
+    q = (torch.randn(3, 8, 64) * 4).to(dtype)[:, ::2]  # strided: every other head
+    k_cache, v_cache = (torch.randn(6, 2, 16, 64).to(dtype) for _ in range(2))
+    tables, lens = torch.tensor([[0, 1], [2, 3], [4, 5]], dtype=torch.int32), torch.tensor([20, 32, 1])
     before = q.clone()
-    scaled = scaled_query(q, 0.0883)
-    assert scaled.dtype == np.float32 and scaled.flags["C_CONTIGUOUS"] and scaled.shape == (6, 4, 64)
-    np.testing.assert_array_equal(scaled, (q.double() * np.float32(0.0883)).float().numpy())
-    assert torch.equal(q, before)
+    out, lse = paged_decode_attention(q, k_cache, v_cache, tables, lens, 0.0883)
+    expected, expected_lse = paged_decode_attention(q.contiguous(), k_cache, v_cache, tables, lens, 0.0883)
+    assert torch.equal(out, expected) and torch.equal(lse, expected_lse) and torch.equal(q, before)
