@@ -198,6 +198,18 @@ class _BFloat(ir.types._BaseFloatType):
 
 
 _BFloat._create_instance()
+_FLOATS = ir.VectorType(ir.FloatType(), 16)  # a vdpbf16ps accumulator
+_HALVES = ir.VectorType(ir.IntType(16), BF16_LANES)  # 32 bfloat16 patterns as loaded
+_BFLOATS = ir.VectorType(_BFloat(), BF16_LANES)  # the same bits as vdpbf16ps takes them
+
+
+def _tile_setup(context, builder, signature, args):
+    """What every tile's codegen starts from: LLVM's intp, its seven integer arguments as intp (addresses, row
+    strides in bytes, dim), and the vdpbf16ps intrinsic."""
+    integers = [context.cast(builder, args[i], signature.args[i], types.intp) for i in range(7)]
+    dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS, _BFLOATS, _BFLOATS]),
+                                         "llvm.x86.avx512bf16.dpbf16ps.512")
+    return context.get_value_type(types.intp), integers, dot
 
 
 def _bf16_tile(num_heads, num_rows):
@@ -214,19 +226,14 @@ def _bf16_tile(num_heads, num_rows):
     @intrinsic
     def tile(typingctx, q, q_row, k, k_row, scores, score_row, dim, scale):
         def codegen(context, builder, signature, args):
-            intp = context.get_value_type(types.intp)
-            q_addr, q_step, k_addr, k_step, s_addr, s_step, length = (
-                context.cast(builder, args[i], signature.args[i], types.intp) for i in range(7))
-            floats, halves = ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.IntType(16), BF16_LANES)
-            bfloats = ir.VectorType(_BFloat(), BF16_LANES)
-            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats, bfloats, bfloats]),
-                                                 "llvm.x86.avx512bf16.dpbf16ps.512")
-            sums = [[cgutils.alloca_once_value(builder, ir.Constant(floats, None)) for _ in range(num_rows)]
+            intp, (q_addr, q_step, k_addr, k_step, s_addr, s_step, length), dot = _tile_setup(
+                context, builder, signature, args)
+            sums = [[cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(num_rows)]
                     for _ in range(num_heads)]
 
             def load(address):
-                pointer = builder.inttoptr(address, halves.as_pointer())
-                return builder.bitcast(builder.load(pointer, align=2), bfloats)
+                pointer = builder.inttoptr(address, _HALVES.as_pointer())
+                return builder.bitcast(builder.load(pointer, align=2), _BFLOATS)
 
             with cgutils.for_range(builder, builder.udiv(length, intp(BF16_LANES))) as loop:
                 offset = builder.mul(loop.index, intp(2 * BF16_LANES))  # bytes
@@ -312,13 +319,9 @@ def _bf16_values_tile(num_heads, num_rows):
     @intrinsic
     def tile(typingctx, v, v_row, p, p_row, acc, acc_row, dim):
         def codegen(context, builder, signature, args):
-            intp, i32 = context.get_value_type(types.intp), ir.IntType(32)
-            v_addr, v_step, p_addr, p_step, a_addr, a_step, length = (
-                context.cast(builder, args[i], signature.args[i], types.intp) for i in range(7))
-            floats, halves = ir.VectorType(ir.FloatType(), 16), ir.VectorType(ir.IntType(16), BF16_LANES)
-            bfloats = ir.VectorType(_BFloat(), BF16_LANES)
-            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(floats, [floats, bfloats, bfloats]),
-                                                 "llvm.x86.avx512bf16.dpbf16ps.512")
+            intp, (v_addr, v_step, p_addr, p_step, a_addr, a_step, length), dot = _tile_setup(
+                context, builder, signature, args)
+            i32 = ir.IntType(32)
             at = lambda address, kind: builder.inttoptr(address, kind.as_pointer())
             pairs = (num_rows + 1) // 2
             weights = []  # [head][pair]: the pair's two probabilities in bfloat16, in every lane
@@ -334,23 +337,23 @@ def _bf16_values_tile(num_heads, num_rows):
                     bits = builder.bitcast(pair, i32)
                     splat = builder.insert_element(ir.Constant(ir.VectorType(i32, 16), None), bits, i32(0))
                     splat = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(i32, 16), [0] * 16))
-                    weights[i].append(builder.bitcast(splat, bfloats))
+                    weights[i].append(builder.bitcast(splat, _BFLOATS))
             low = ir.Constant(ir.VectorType(i32, BF16_LANES), [w // 2 + (w % 2) * BF16_LANES for w in range(BF16_LANES)])
             high = ir.Constant(ir.VectorType(i32, BF16_LANES), [16 + w // 2 + (w % 2) * BF16_LANES for w in range(BF16_LANES)])
-            zeros = ir.Constant(halves, None)
+            zeros = ir.Constant(_HALVES, None)
             with cgutils.for_range(builder, builder.udiv(length, intp(BF16_LANES))) as loop:
                 offset = builder.mul(loop.index, intp(2 * BF16_LANES))  # bytes into a V row
-                rows = [builder.load(at(builder.add(builder.add(v_addr, builder.mul(v_step, intp(j))), offset), halves),
+                rows = [builder.load(at(builder.add(builder.add(v_addr, builder.mul(v_step, intp(j))), offset), _HALVES),
                                      align=2) for j in range(num_rows)]
                 # Values 0-15 of the pair's rows interleaved, then values 16-31: the float32 lanes stay in order.
                 mixed = []
                 for k in range(pairs):
                     first, second = rows[2 * k], rows[2 * k + 1] if 2 * k + 1 < num_rows else zeros
-                    mixed.append((builder.bitcast(builder.shuffle_vector(first, second, low), bfloats),
-                                  builder.bitcast(builder.shuffle_vector(first, second, high), bfloats)))
+                    mixed.append((builder.bitcast(builder.shuffle_vector(first, second, low), _BFLOATS),
+                                  builder.bitcast(builder.shuffle_vector(first, second, high), _BFLOATS)))
                 for i in range(num_heads):
                     base = builder.add(builder.add(a_addr, builder.mul(a_step, intp(i))), builder.add(offset, offset))
-                    halves_at = (at(base, floats), at(builder.add(base, intp(64)), floats))
+                    halves_at = (at(base, _FLOATS), at(builder.add(base, intp(64)), _FLOATS))
                     for h in range(2):
                         total = builder.load(halves_at[h], align=4)
                         for k in range(pairs):
@@ -366,7 +369,6 @@ def _bf16_values_tile(num_heads, num_rows):
 
 
 _vtile_4x8, _vtile_2x8, _vtile_1x8 = _bf16_values_tile(4, 8), _bf16_values_tile(2, 8), _bf16_values_tile(1, 8)
-_vtile_4x2, _vtile_2x2, _vtile_1x2 = _bf16_values_tile(4, 2), _bf16_values_tile(2, 2), _bf16_values_tile(1, 2)
 _vtile_4x1, _vtile_2x1, _vtile_1x1 = _bf16_values_tile(4, 1), _bf16_values_tile(2, 1), _bf16_values_tile(1, 1)
 
 _tile_4x4, _tile_2x4, _tile_1x4, _tile_1x1 = _bf16_tile(4, 4), _bf16_tile(2, 4), _bf16_tile(1, 4), _bf16_tile(1, 1)
@@ -554,11 +556,12 @@ def _block_scores_bf16(q, h0, group, kb, n, scores, block_max, k_cache, next_blo
 
 @njit(nogil=True)
 def _block_values_bf16(vb, n, scores, acc, v_cache, next_block):
-    """_block_values for bfloat16 patterns and D a multiple of BF16_LANES, eight rows a pass (then pairs, then
-    an odd last row), the group's heads in quads, then a pair, then a single head, each pass a vdpbf16ps tile."""
+    """_block_values for bfloat16 patterns and D a multiple of BF16_LANES, eight rows a pass, the group's heads
+    in quads, then a pair, then a single head, each pass a vdpbf16ps tile. The last n % 8 rows (a partial last
+    block only, at the host tier's block sizes) go one at a time, each paired with zeros."""
     group, dim = acc.shape
     step = CACHE_LINE_BYTES // vb.itemsize
-    quads, pairs, n8, n2 = group - group % 4, group - group % 2, n - n % 8, n - n % 2
+    quads, pairs, n8 = group - group % 4, group - group % 2, n - n % 8
     v_step, p_step, a_step = vb.strides[0], scores.strides[0], acc.strides[0]
     rows, weights, sums = vb.ctypes.data, scores.ctypes.data, acc.ctypes.data
     for t in range(0, n8, 8):
@@ -571,24 +574,15 @@ def _block_values_bf16(vb, n, scores, acc, v_cache, next_block):
             _vtile_2x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
         for g in range(pairs, group):
             _vtile_1x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-    for t in range(n8, n, 2):
-        for r in range(min(2, n - t)):
-            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
+    for t in range(n8, n):
+        _prefetch_row(v_cache, next_block + t * dim, step)
         v = rows + t * v_step
-        if t < n2:
-            for g in range(0, quads, 4):
-                _vtile_4x2(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-            for g in range(quads, pairs, 2):
-                _vtile_2x2(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-            for g in range(pairs, group):
-                _vtile_1x2(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        else:
-            for g in range(0, quads, 4):
-                _vtile_4x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-            for g in range(quads, pairs, 2):
-                _vtile_2x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-            for g in range(pairs, group):
-                _vtile_1x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(0, quads, 4):
+            _vtile_4x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(quads, pairs, 2):
+            _vtile_2x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(pairs, group):
+            _vtile_1x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
 
 
 def _values_bf16(vb, n, scores, acc, v_cache, next_block):
