@@ -934,7 +934,7 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
     q [L, rows, Hq, D], k_new/v_new [L, rows, Hkv, D] in the caches' element type (rows >= batch, only the first
     batch are read); pools [L, 2, num_blocks, Hkv, block_size, D] (K then V of each layer); slots int64 [batch];
     block_tables/context_lens as decode_kernel's, with the new token counted; out float32 [L, rows, Hq, D]
-    (the device rounds it); lse float32 [batch, Hq] scratch. flags int64 [2]: the loop sets flags[0] once it
+    (the device rounds it); lse float32 [L, rows, Hq], each layer's log-sum-exp (merged with a split row's device part). flags int64 [2]: the loop sets flags[0] once it
     runs (without the GIL); flags[1] != 0 from the lane abandons a step whose device never hands a layer over.
     times int64 [L + 1, 2]: cycle counts, row 0 the entry (twice), row l + 1 when layer l's gate 0 was seen open
     and when its gate 1 was opened: the device's turnaround between layers against the host's work on each.
@@ -999,7 +999,7 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
                 break
             row = _count(c, _MERGE + _TICKETS)
             while row < num_rows:
-                _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out[layer], lse)
+                _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out[layer], lse[layer])
                 if _count(c, _MERGE + _DONE) + 1 == num_rows:  # the layer's last merge hands it back
                     times[layer + 1, 1] = _cycles()
                     _store_release(gates[1], layer, 1)

@@ -47,18 +47,22 @@ class LayerLoop:
     """One host step's layers, queued on `executor` (a CpuAttentionExecutor) at construction.
 
     q, k_new, v_new and pools are torch tensors in the caches' dtype (zero-copy views are taken here); the rest
-    numpy arrays: gates int32 [2, L] in pinned memory, reset to 0 by the caller; out float32 [L, rows, Hq, D].
+    numpy arrays: gates int32 [2, L] in pinned memory, reset to 0 by the caller; out float32 [L, rows, Hq, D];
+    lse float32 [L, rows, Hq] (made here if None): each layer's log-sum-exp, for rows whose attention also has a
+    device part to merge with (split sequences).
     """
 
     def __init__(self, executor, gates: np.ndarray, q, k_new, v_new, pools, slots: np.ndarray,
-                 block_tables: np.ndarray, context_lens: np.ndarray, batch: int, scale: float, out: np.ndarray):
+                 block_tables: np.ndarray, context_lens: np.ndarray, batch: int, scale: float, out: np.ndarray,
+                 lse: np.ndarray | None = None):
         # flags[0]: the loop sets it once it runs without the GIL; flags[1]: the lane sets it to abandon the step.
         self.flags = np.zeros(2, np.int64)
         self.times = np.zeros((q.shape[0] + 1, 2), np.int64)  # cycles: entry, then per layer handed over / done
         self.done: Future = Future()  # the seconds the loop took (its waits for the device included), or the error
         self._started = threading.Event()
         arrays = [kernel_view(t) for t in (q, k_new, v_new, pools)]
-        lse = np.empty((batch, q.shape[2]), np.float32)
+        if lse is None:
+            lse = np.empty((q.shape[0], batch, q.shape[2]), np.float32)
         cycle_hz()  # measured here, not on the executor while the device waits
         executor.submit(self._run, gates, *arrays, slots, block_tables, context_lens, batch, scale,
                         executor.num_threads, out, lse, self.times)
@@ -116,5 +120,5 @@ def warm_decode_layers(dtype, head_dim: int = 8, block_size: int = 4) -> None:
     arrays = [kernel_view(t) for t in (q, new, new.clone(), pools)]
     decode_layers(gates, np.zeros(2, np.int64), *arrays, np.zeros(1, np.int64), np.zeros((1, 1), np.int32),
                   np.ones(1, np.int32), 1, 1.0, 1, np.empty((1, 1, 2, head_dim), np.float32),
-                  np.empty((1, 2), np.float32), np.zeros((2, 2), np.int64))
+                  np.empty((1, 1, 2), np.float32), np.zeros((2, 2), np.int64))
     cycle_hz()

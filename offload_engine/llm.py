@@ -148,7 +148,7 @@ class LLM:
         decoded = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else None
         return RequestOutput(prompt=text, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
                              token_ids=completion, text=decoded, finish_reason=seq.finish_reason,
-                             kv_location=seq.admitted_to.value, kv_promoted=seq.promoted,
+                             kv_location=seq.kv_location, kv_promoted=seq.promoted,
                              kv_demoted=seq.demoted)
 
     def close(self) -> None:

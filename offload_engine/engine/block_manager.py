@@ -1,9 +1,10 @@
 """Paged KV blocks on two tiers, with prefix caching within each tier.
 
 Each tier (`BlockLocation.GPU`: the device pool, `BlockLocation.CPU`: the pinned host pool) has its own
-`BlockPool` with its own block size. A sequence lives wholly on one tier, chosen at admission by
-`engine/placement.py`; its `block_table` indexes that tier's pool. `move` re-homes a decoding sequence (kv
-promotion from the host tier to the device pool).
+`BlockPool` with its own block size. A sequence lives on one tier, chosen at admission by
+`engine/placement.py`; its `block_table` indexes that tier's pool. A split sequence is a host-tier sequence
+whose first tokens' KV is in device blocks (`device_prefix`); its `block_table` starts after them.
+`move` re-homes a decoding sequence that is not split (promotion and demotion between the tiers).
 
 Prefix caching: a full block whose KV has been computed is registered under a hash chained over every token
 before it. A later sequence with the same leading tokens reuses the block (the token ids are compared, so
@@ -88,18 +89,45 @@ class BlockManager:
     def pool(self, location: BlockLocation) -> BlockPool:
         return self.pools[location]
 
-    def can_allocate(self, seq: Sequence, location: BlockLocation) -> bool:
+    def can_allocate(self, seq: Sequence, location: BlockLocation, device_tokens: int = 0) -> bool:
+        """Room for the sequence's tokens now; with device_tokens, for a split: that many on the device, the rest on
+        the host."""
+        if device_tokens:
+            gpu, cpu = self.pools[BlockLocation.GPU], self.pools[BlockLocation.CPU]
+            return (gpu.blocks_for(device_tokens) <= gpu.num_free
+                    and cpu.blocks_for(len(seq) - device_tokens) <= cpu.num_free)
         pool = self.pools[location]
         return pool.blocks_for(len(seq)) <= pool.num_free
 
-    def allocate(self, seq: Sequence, location: BlockLocation) -> None:
-        """Gives the sequence blocks for all its tokens, reusing cached prefix blocks where they match."""
-        pool = self.pools[location]
+    def allocate(self, seq: Sequence, location: BlockLocation, device_tokens: int = 0) -> None:
+        """Gives the sequence blocks for all its tokens, reusing cached prefix blocks where they match. With
+        device_tokens (a whole number of device blocks; location must be the host tier), the sequence is split:
+        its first device_tokens tokens get device blocks, the rest host blocks (DESIGN.md, "Sequences across both
+        tiers"). Prefix reuse then covers the device part, whose blocks lead the sequence."""
         seq.location = seq.admitted_to = location
+        if device_tokens:
+            assert location == BlockLocation.CPU and device_tokens % self.pools[BlockLocation.GPU].block_size == 0
+            gpu = self.pools[BlockLocation.GPU]
+            seq.device_prefix, hits = self._take_blocks(gpu, seq, gpu.blocks_for(device_tokens))
+            seq.num_device_tokens, seq.admitted_split = device_tokens, True
+            host = self.pools[BlockLocation.CPU]
+            seq.block_table = [host.take_free() for _ in range(host.blocks_for(len(seq) - device_tokens))]
+            block_size = gpu.block_size
+        else:
+            pool = self.pools[location]
+            seq.block_table, hits = self._take_blocks(pool, seq, pool.blocks_for(len(seq)))
+            block_size = pool.block_size
+        seq.num_hashed_blocks = hits
+        seq.num_computed_tokens = hits * block_size
+        self.num_prefix_hit_tokens += seq.num_computed_tokens
+
+    @staticmethod
+    def _take_blocks(pool: BlockPool, seq: Sequence, count: int) -> tuple[list[int], int]:
+        """`count` blocks for the sequence's leading tokens, cached ones while they match: (table, hits)."""
         # Only blocks wholly before the last token may hit: that token must be computed to give logits.
         reusable = (len(seq) - 1) // pool.block_size if pool.enable_prefix_caching else 0
         table, hits, prefix_hash = [], 0, None
-        for i in range(pool.blocks_for(len(seq))):
+        for i in range(count):
             block_id = None
             if i == hits and i < reusable:  # every block so far was a hit: keep matching
                 tokens = tuple(seq.token_ids[i * pool.block_size : (i + 1) * pool.block_size])
@@ -111,22 +139,23 @@ class BlockManager:
                 pool.share(block_id)
                 table.append(block_id)
                 hits += 1
-        seq.block_table = table
-        seq.num_hashed_blocks = hits
-        seq.num_computed_tokens = hits * pool.block_size
-        self.num_prefix_hit_tokens += seq.num_computed_tokens
+        return table, hits
 
     def deallocate(self, seq: Sequence) -> None:
         pool = self.pools[seq.location]
         for block_id in reversed(seq.block_table):
             pool.release(block_id)
-        seq.block_table, seq.location = [], None
-        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        gpu = self.pools[BlockLocation.GPU]
+        for block_id in reversed(seq.device_prefix):
+            gpu.release(block_id)
+        seq.block_table, seq.device_prefix, seq.location = [], [], None
+        seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_device_tokens = 0
 
     def move(self, seq: Sequence, location: BlockLocation) -> list[int]:
         """Re-homes a decoding sequence's computed KV on another tier: blocks there for its computed tokens (their
         hashes registered), its old blocks released. Returns the old block table, whose blocks still hold the KV
         until the next allocation: the caller copies it before anything else is scheduled."""
+        assert not seq.is_split, "split sequences keep their parts (placement.promotions passes them over)"
         old_pool, new_pool = self.pools[seq.location], self.pools[location]
         old_table = seq.block_table
         for block_id in reversed(old_table):
@@ -139,22 +168,27 @@ class BlockManager:
     def can_append(self, seq: Sequence) -> bool:
         """Room for the newest token: a new block is needed only when it starts one."""
         pool = self.pools[seq.location]
-        return pool.blocks_for(len(seq)) <= len(seq.block_table) or pool.num_free >= 1
+        return pool.blocks_for(seq.num_host_tokens) <= len(seq.block_table) or pool.num_free >= 1
 
     def append_slot(self, seq: Sequence) -> None:
         pool = self.pools[seq.location]
-        if pool.blocks_for(len(seq)) > len(seq.block_table):
+        if pool.blocks_for(seq.num_host_tokens) > len(seq.block_table):
             seq.block_table.append(pool.take_free())
 
     def register_computed_blocks(self, seq: Sequence) -> None:
-        """Registers the sequence's newly full, computed blocks for prefix reuse."""
-        pool = self.pools[seq.location]
+        """Registers the sequence's newly full, computed blocks for prefix reuse. Of a split sequence, only the
+        device part's: its host blocks do not start at token 0, where every lookup starts."""
+        if seq.is_split:
+            pool, table, computed = self.pools[BlockLocation.GPU], seq.device_prefix, min(seq.num_computed_tokens,
+                                                                                          seq.num_device_tokens)
+        else:
+            pool, table, computed = self.pools[seq.location], seq.block_table, seq.num_computed_tokens
         if not pool.enable_prefix_caching:
             return
         size = pool.block_size
-        prefix_hash = pool.blocks[seq.block_table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // size):
+        prefix_hash = pool.blocks[table[seq.num_hashed_blocks - 1]].hash if seq.num_hashed_blocks else None
+        for i in range(seq.num_hashed_blocks, computed // size):
             tokens = tuple(seq.token_ids[i * size : (i + 1) * size])
             prefix_hash = hash((prefix_hash, tokens))
-            pool.register(seq.block_table[i], prefix_hash, tokens)
-        seq.num_hashed_blocks = max(seq.num_hashed_blocks, seq.num_computed_tokens // size)
+            pool.register(table[i], prefix_hash, tokens)
+        seq.num_hashed_blocks = max(seq.num_hashed_blocks, computed // size)

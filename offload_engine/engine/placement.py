@@ -20,7 +20,9 @@
     lane is bound by the GPU, a host step is a whole forward pass for its few rows and costs the device lane
     about a step of its own. Host sequences then wait, with their KV, for device room, as swapped-out
     sequences do; the lane always steps when the device lane has no rows.
-  - A sequence larger than the whole device pool can only live on the host tier.
+  - A sequence larger than the whole device pool is split (`split_device_tokens`): the device keeps its first
+    tokens' KV in room no device row will need, the host tier the rest, and it decodes in the host lane with
+    both partials merged on the GPU. Its parts stay as they are until it ends.
 """
 from collections.abc import Iterable, Iterator
 
@@ -55,6 +57,32 @@ def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[
     if not device_ever or _checked("admit", host_lane_pays(seq, running, stats, joining=waiting), stats):
         return CPU
     return None
+
+
+def split_device_tokens(seq: Sequence, policy: str, blocks: BlockManager, running: Iterable[Sequence],
+                        waiting: Iterable[Sequence] = ()) -> int:
+    """How many of its first tokens a sequence admitted to the host tier keeps on the device (0: none, it is not
+    split). Under "auto", only a sequence whose budget exceeds the whole device pool, which can never decode in
+    the device lane: one that could is admitted whole as "gpu" would admit it, or waits, because device room
+    is worth more to a whole row (it decodes at device speed) than to a split one (its step is bound by its
+    host part).
+
+    The device part takes only room whole rows will not need: what is free now less what the device rows still
+    lack to reach their budgets (so splitting never causes a demotion) and less the budgets of the `waiting`
+    requests that could live on the device whole (admitted after it, they still get the device). It covers at most the prompt
+    (the first tokens, whose KV is known at admission) and is a whole number of host blocks, so that a host
+    prefill step can gather it into the host-block-sized staging cache (Attention._stage_prefix). The parts
+    stay fixed until the sequence ends: growing or shrinking the device part would mean moving KV across
+    the tiers at every change of room, and the sequence's decode is bound by its host part meanwhile."""
+    gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)
+    if policy != "auto" or gpu.blocks_for(seq.budget) <= gpu.num_blocks or cpu.block_size % gpu.block_size:
+        return 0
+    needed = sum(max(0, gpu.blocks_for(s.budget) - len(s.block_table)) for s in running if s.location == GPU)
+    needed += sum(gpu.blocks_for(s.budget) for s in waiting
+                  if s is not seq and gpu.blocks_for(s.budget) <= gpu.num_blocks)
+    room = (gpu.num_free - needed) * gpu.block_size
+    tokens = min(room, len(seq)) // cpu.block_size * cpu.block_size
+    return tokens if tokens > 0 and blocks.can_allocate(seq, CPU, tokens) else 0
 
 
 def demotes(victim: Sequence, policy: str, blocks: BlockManager) -> bool:
@@ -102,7 +130,7 @@ def host_lane_pays(seq: Sequence, running: Iterable[Sequence], stats: LaneStats 
     tried."""
     if stats is None or stats.kv_bytes_per_token is None:
         return True
-    host_tokens = [len(s) for s in running if s.location == CPU and s is not seq]
+    host_tokens = [s.num_host_tokens for s in running if s.location == CPU and s is not seq]
     if not host_tokens:
         host_tokens_after = [len(seq)] + [len(s) for s in joining if s is not seq]
         rate_after = _host_rate(host_tokens_after, stats)
@@ -126,7 +154,7 @@ def host_step_pays(host_rows: list[Sequence], device_rows: int, stats: LaneStats
         return False
     if not device_rows or stats is None or stats.kv_bytes_per_token is None or not stats.device_tok_s.value:
         return True
-    rate = _host_rate([len(s) for s in host_rows], stats)
+    rate = _host_rate([s.num_host_tokens for s in host_rows], stats)
     return rate is None or _checked("host_step", rate > stats.device_tok_s.value * (1 - 1 / stats.slowdown),
                                     stats)
 
@@ -140,10 +168,11 @@ def _host_rate(row_tokens: list[int], stats: LaneStats) -> float | None:
 def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: int = 0) -> Iterator[Sequence]:
     """Host-tier sequences that the device pool can take now by "gpu"'s rule (their KV and the next token fit
     what is free), most tokens left first (the oldest first among equals), skipping those in flight or still in
-    prefill. extra_room: blocks that are about to free up, to ask which sequences will fit then."""
+    prefill, and split sequences (whose parts stay). extra_room: blocks that are about to free up, to ask which sequences will fit then."""
     gpu = blocks.pool(GPU)
     room = gpu.num_free + extra_room
-    candidates = [seq for seq in running if seq.location == CPU and not seq.in_flight and not seq.in_prefill]
+    candidates = [seq for seq in running
+                  if seq.location == CPU and not seq.is_split and not seq.in_flight and not seq.in_prefill]
     for seq in sorted(candidates, key=lambda s: -s.tokens_left):  # stable: admission order among equals
         needed = gpu.blocks_for(len(seq) + 1)
         if gpu.blocks_for(seq.budget) <= gpu.num_blocks and needed <= room:

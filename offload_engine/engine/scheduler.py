@@ -64,7 +64,9 @@ class Scheduler:
             tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self._could_join())
             if tier is None:
                 break
-            self.blocks.allocate(seq, tier)
+            device_tokens = placement.split_device_tokens(seq, self.kv_placement, self.blocks, self.running,
+                                                          self._could_join()) if tier == BlockLocation.CPU else 0
+            self.blocks.allocate(seq, tier, device_tokens)
             seq.status = SequenceStatus.RUNNING
             self.running.append(self.waiting.popleft())
             budget -= self._take_chunk(seq, budget)

@@ -32,7 +32,12 @@ class Sequence:
         self.admitted_to: BlockLocation | None = None  # the tier chosen at admission, kept for the output
         self.promoted = False  # its KV moved from the host tier to the device pool (engine/kv_promotion.py)
         self.demoted = False  # its KV moved from the device pool to the host tier (engine/kv_demotion.py)
-        self.block_table: list[int] = []  # block ids in its tier's pool
+        self.block_table: list[int] = []  # block ids in its tier's pool (a split sequence: its host part's)
+        # A split sequence (DESIGN.md, "Sequences across both tiers") lives on the host tier with the KV of its
+        # first num_device_tokens tokens in these device blocks; block_table holds the rest, from that token on.
+        self.device_prefix: list[int] = []
+        self.num_device_tokens = 0
+        self.admitted_split = False  # kept for the output, as admitted_to
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.num_hashed_blocks = 0  # leading full blocks already registered for prefix reuse
@@ -52,6 +57,20 @@ class Sequence:
     @property
     def num_uncomputed_tokens(self) -> int:
         return len(self) - self.num_computed_tokens
+
+    @property
+    def is_split(self) -> bool:
+        return bool(self.device_prefix)
+
+    @property
+    def num_host_tokens(self) -> int:
+        """Tokens whose KV is (or will be) in block_table's tier: all of them but a split sequence's device part."""
+        return len(self) - self.num_device_tokens
+
+    @property
+    def kv_location(self) -> str:
+        """Where its KV was placed at admission: "gpu", "cpu" or "split" (RequestOutput.kv_location)."""
+        return "split" if self.admitted_split else self.admitted_to.value
 
     @property
     def tokens_left(self) -> int:

@@ -20,10 +20,21 @@ class StepInputs:
     meta: AttentionMetadata
 
 
-def slots_for(block_table: list[int], block_size: int, start: int, end: int) -> np.ndarray:
-    """Cache slots of token positions [start, end): block_id * block_size + offset, in the tier's own pool."""
-    positions = np.arange(start, end)
+def slots_for(block_table: list[int], block_size: int, start: int, end: int, first: int = 0) -> np.ndarray:
+    """Cache slots of token positions [start, end): block_id * block_size + offset, in the tier's own pool, for a
+    table whose first block holds token `first` (a split sequence's host part starts after its device part)."""
+    positions = np.arange(start, end) - first
     return np.asarray(block_table, dtype=np.int64)[positions // block_size] * block_size + positions % block_size
+
+
+@dataclass
+class _RowMaps:
+    """One row's share of the dual maps: its tokens' slots and its context and block table, on each tier."""
+
+    slots: dict  # tier -> int64 [tokens], -1 where the token is written on the other tier
+    context: dict  # tier -> tokens of KV the tier's kernel attends over for this row
+    table: dict  # tier -> block ids
+    staged: bool = False  # prefill: attends through the staging cache (Attention._stage_prefix)
 
 
 class StepInputBuilder:
@@ -38,77 +49,111 @@ class StepInputBuilder:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
+    def _row(self, seq: Sequence, start: int, end: int, is_prefill: bool) -> _RowMaps:
+        """The maps of tokens [start, end) of seq. A whole row's tokens and context are on its tier. A split row
+        writes tokens before num_device_tokens into its device blocks and the rest into its host blocks. In
+        decode it attends over both parts, one kernel each, merged by LSE; in a prefill step it is one more
+        row of the host tier (its device part is staged with its host prefix), unless the chunk lies wholly in
+        its device part, where it is a device row."""
+        gpu, cpu = BlockLocation.GPU, BlockLocation.CPU
+        none = np.full(end - start, -1, dtype=np.int64)
+        if not seq.is_split:
+            tier, other = seq.location, gpu if seq.location == cpu else cpu
+            own = slots_for(seq.block_table, self.block_sizes[tier], start, end)
+            return _RowMaps({tier: own, other: none}, {tier: end, other: 0}, {tier: seq.block_table, other: []},
+                            staged=is_prefill and tier == cpu)
+        split = seq.num_device_tokens
+        device, host = none.copy(), none.copy()
+        on_device = min(max(split - start, 0), end - start)  # the leading tokens that go to the device part
+        device[:on_device] = slots_for(seq.device_prefix, self.block_sizes[gpu], start, start + on_device)
+        host[on_device:] = slots_for(seq.block_table, self.block_sizes[cpu], start + on_device, end, first=split)
+        tables = {gpu: seq.device_prefix, cpu: seq.block_table}
+        if not is_prefill:
+            return _RowMaps({gpu: device, cpu: host}, {gpu: split, cpu: end - split}, tables)
+        if end <= split:
+            return _RowMaps({gpu: device, cpu: host}, {gpu: end, cpu: 0}, tables)
+        return _RowMaps({gpu: device, cpu: host}, {gpu: 0, cpu: end}, tables, staged=True)
+
     def prefill(self, seqs: list[Sequence]) -> StepInputs:
-        token_ids, positions, cu_seqlens = [], [], [0]
-        slots = {tier: [] for tier in BlockLocation}
+        token_ids, positions, cu_seqlens, rows = [], [], [0], []
         for seq in seqs:
             start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
             token_ids += seq.token_ids[start:end]
             positions += range(start, end)
             cu_seqlens.append(cu_seqlens[-1] + end - start)
-            own = slots_for(seq.block_table, self.block_sizes[seq.location], start, end)
-            for tier in BlockLocation:
-                slots[tier].append(own if tier == seq.location else np.full(end - start, -1, dtype=np.int64))
-        slots = {tier: np.concatenate(parts) for tier, parts in slots.items()}
-        meta = self._metadata(seqs, is_prefill=True, slots=slots,
-                              context_lens=[s.num_computed_tokens + s.num_scheduled_tokens for s in seqs])
+            rows.append(self._row(seq, start, end, is_prefill=True))
+        meta = self._metadata(rows, is_prefill=True)
         meta.cu_seqlens_q = self.to_device(cu_seqlens, torch.int32)
         meta.max_seqlen_q = max(s.num_scheduled_tokens for s in seqs)
         if meta.has_cpu_rows:
-            meta.staging = self._staging(seqs, slots[BlockLocation.CPU], cu_seqlens, meta.has_gpu_rows)
+            host_slots = np.concatenate([r.slots[BlockLocation.CPU] for r in rows])
+            meta.staging = self._staging(seqs, rows, host_slots, cu_seqlens, meta.has_gpu_rows)
         return StepInputs(self.to_device(token_ids, torch.int64), self.to_device(positions, torch.int64),
                           self.to_device(cu_seqlens[1:], torch.int64) - 1, meta)
 
     def decode(self, seqs: list[Sequence]) -> StepInputs:
-        slots = {tier: np.full(len(seqs), -1, dtype=np.int64) for tier in BlockLocation}
-        for row, seq in enumerate(seqs):
-            slots[seq.location][row] = slots_for(seq.block_table, self.block_sizes[seq.location], len(seq) - 1, len(seq))[0]
-        meta = self._metadata(seqs, is_prefill=False, slots=slots, context_lens=[len(s) for s in seqs])
-        rows = np.arange(len(seqs))
+        rows = [self._row(seq, len(seq) - 1, len(seq), is_prefill=False) for seq in seqs]
+        meta = self._metadata(rows, is_prefill=False)
         return StepInputs(self.to_device([s.token_ids[-1] for s in seqs], torch.int64),
-                          self.to_device([len(s) - 1 for s in seqs], torch.int64), self.to_device(rows, torch.int64), meta)
+                          self.to_device([len(s) - 1 for s in seqs], torch.int64),
+                          self.to_device(np.arange(len(seqs)), torch.int64), meta)
 
-    def _metadata(self, seqs, is_prefill, slots, context_lens) -> AttentionMetadata:
-        tiers = [s.location for s in seqs]
-        ctx = {t: [n if tier == t else 0 for n, tier in zip(context_lens, tiers)] for t in BlockLocation}
-        tables = {t: _block_tables([s.block_table if s.location == t else [] for s in seqs]) for t in BlockLocation}
+    def _metadata(self, rows: list[_RowMaps], is_prefill: bool) -> AttentionMetadata:
+        gpu, cpu = BlockLocation.GPU, BlockLocation.CPU
+        slots = {t: np.concatenate([r.slots[t] for r in rows]) for t in BlockLocation}
+        ctx = {t: [r.context[t] for r in rows] for t in BlockLocation}
+        # A tier takes part in the step where some row attends over its KV or some token is written into it.
+        busy = {t: any(ctx[t]) or bool((slots[t] >= 0).any()) for t in BlockLocation}
+        if is_prefill:  # host-tier prefill rows attend on the device, through the staging cache
+            busy[cpu] = any(r.staged for r in rows)
         return AttentionMetadata(
             is_prefill=is_prefill,
-            slot_mapping=self.to_device(slots[BlockLocation.GPU], torch.int64),
-            context_lens=self.to_device(ctx[BlockLocation.GPU], torch.int32),
-            block_tables=self.to_device(tables[BlockLocation.GPU], torch.int32),
-            slot_mapping_cpu=torch.from_numpy(slots[BlockLocation.CPU]),
-            context_lens_cpu=torch.tensor(ctx[BlockLocation.CPU], dtype=torch.int32),
-            block_tables_cpu=torch.from_numpy(tables[BlockLocation.CPU]),
-            has_gpu_rows=BlockLocation.GPU in tiers,
-            has_cpu_rows=BlockLocation.CPU in tiers,
+            slot_mapping=self.to_device(slots[gpu], torch.int64),
+            context_lens=self.to_device(ctx[gpu], torch.int32),
+            block_tables=self.to_device(_block_tables([r.table[gpu] if r.context[gpu] else [] for r in rows]),
+                                        torch.int32),
+            slot_mapping_cpu=torch.from_numpy(slots[cpu]),
+            context_lens_cpu=torch.tensor(ctx[cpu], dtype=torch.int32),
+            block_tables_cpu=torch.from_numpy(_block_tables([r.table[cpu] if r.context[cpu] else [] for r in rows])),
+            has_gpu_rows=busy[gpu],
+            has_cpu_rows=busy[cpu],
         )
 
-    def _staging(self, seqs, host_slots, cu_seqlens, mixed: bool) -> PrefixStaging:
-        """Staging-cache tables for CPU-tier prefill rows: their prefix blocks first, then their chunk blocks."""
+    def _staging(self, seqs, rows: list[_RowMaps], host_slots, cu_seqlens, mixed: bool) -> PrefixStaging:
+        """Staging-cache tables for the staged rows (host-tier prefill rows). The staging cache holds, in this
+        order: the host prefix blocks of every staged row, the device parts of the split ones (gathered from the
+        device pool, a host block's worth of device blocks each), then every staged row's chunk blocks. A row's
+        table lists its own in token order: device part, host prefix, chunk."""
         block_size = self.block_sizes[BlockLocation.CPU]
-        on_host = [s for s in seqs if s.location == BlockLocation.CPU]
-        prefix_counts = [-(-s.num_computed_tokens // block_size) for s in on_host]
-        source = [b for s, n in zip(on_host, prefix_counts) for b in s.block_table[:n]]
-        next_prefix, next_chunk = 0, len(source)
-        rows, slots = {}, np.full(cu_seqlens[-1], -1, dtype=np.int64)
-        for seq, num_prefix in zip(on_host, prefix_counts):
+        staged = [(seq, row) for seq, row in zip(seqs, rows) if row.staged]
+        host_prefix = [-(-max(0, s.num_computed_tokens - s.num_device_tokens) // block_size) for s, _ in staged]
+        device_parts = [s.num_device_tokens // block_size for s, _ in staged]
+        source = [b for (s, _), n in zip(staged, host_prefix) for b in s.block_table[:n]]
+        device_source = [b for s, _ in staged for b in s.device_prefix]
+        next_prefix, next_device = 0, len(source)
+        next_chunk = next_device + sum(device_parts)
+        tables = {}
+        for (seq, _), num_prefix, num_device in zip(staged, host_prefix, device_parts):
             end = seq.num_computed_tokens + seq.num_scheduled_tokens
-            num_chunk = -(-end // block_size) - num_prefix
-            rows[seq.seq_id] = list(range(next_prefix, next_prefix + num_prefix)) + \
-                list(range(next_chunk, next_chunk + num_chunk))
-            next_prefix, next_chunk = next_prefix + num_prefix, next_chunk + num_chunk
+            num_chunk = -(-end // block_size) - num_device - num_prefix
+            tables[seq.seq_id] = (list(range(next_device, next_device + num_device))
+                                  + list(range(next_prefix, next_prefix + num_prefix))
+                                  + list(range(next_chunk, next_chunk + num_chunk)))
+            next_prefix, next_device, next_chunk = (next_prefix + num_prefix, next_device + num_device,
+                                                    next_chunk + num_chunk)
+        slots = np.full(cu_seqlens[-1], -1, dtype=np.int64)
         for b, seq in enumerate(seqs):
-            if seq.seq_id in rows:
+            if seq.seq_id in tables:
                 slots[cu_seqlens[b] : cu_seqlens[b + 1]] = slots_for(
-                    rows[seq.seq_id], block_size, seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens)
+                    tables[seq.seq_id], block_size, seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens)
         host_tokens = np.flatnonzero(host_slots >= 0)
         return PrefixStaging(
             source_blocks=torch.tensor(source, dtype=torch.int64),
+            device_source_blocks=self.to_device(device_source, torch.int64),
             num_blocks=next_chunk,
-            block_tables=self.to_device(_block_tables([rows.get(s.seq_id, []) for s in seqs]), torch.int32),
+            block_tables=self.to_device(_block_tables([tables.get(s.seq_id, []) for s in seqs]), torch.int32),
             slot_mapping=self.to_device(slots, torch.int64),
-            context_lens=self.to_device([s.num_computed_tokens + s.num_scheduled_tokens if s.seq_id in rows else 0
+            context_lens=self.to_device([s.num_computed_tokens + s.num_scheduled_tokens if s.seq_id in tables else 0
                                          for s in seqs], torch.int32),
             host_token_indices=self.to_device(host_tokens, torch.int64) if mixed else None,
             host_token_slots=torch.from_numpy(host_slots[host_tokens]) if mixed else torch.from_numpy(host_slots),

@@ -126,12 +126,14 @@ class Attention(nn.Module):
         return self.ring.take(shape, dtype)
 
     def _stage_prefix(self, staging: PrefixStaging, device: torch.device):
-        """Copies the CPU-tier prefix blocks into a token-major device cache, transposing on the device."""
+        """Copies the CPU-tier prefix blocks into a token-major device cache, transposing on the device, and the
+        device parts of split rows after them."""
         _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
         shape = (staging.num_blocks, block_size, num_kv_heads, head_dim)
         staged = []
         num_prefix = staging.source_blocks.numel()
-        for host_pool in (self.k_cache_cpu, self.v_cache_cpu):
+        device_source = staging.device_source_blocks
+        for host_pool, device_pool in ((self.k_cache_cpu, self.k_cache), (self.v_cache_cpu, self.v_cache)):
             cache = torch.empty(shape, dtype=host_pool.dtype, device=device)
             if num_prefix:
                 from cpu_attention.gather import gather_blocks
@@ -143,6 +145,11 @@ class Attention(nn.Module):
                 cache[:num_prefix].copy_(gathered.to(device, non_blocking=True).transpose(1, 2))
                 if self.ring is not None:
                     self.ring.busy_until(region, _record_event(cache))
+            if device_source.numel():
+                # Consecutive device blocks of one part are consecutive tokens: a host block's worth per staging block.
+                parts = device_pool.index_select(0, device_source)
+                cache[num_prefix : num_prefix + parts.shape[0] * parts.shape[1] // block_size].copy_(
+                    parts.view(-1, block_size, num_kv_heads, head_dim))
             staged.append(cache)
         return staged
 

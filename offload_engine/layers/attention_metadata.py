@@ -15,11 +15,13 @@ class PrefixStaging:
     """How CPU-tier prefill rows see their KV on the compute device for one step.
 
     Their cached prefix blocks are copied from the host pool into a token-major staging cache (the first
-    `len(source_blocks)` staging blocks, in that order), the chunk's fresh K/V are written after them, and
-    the GPU prefill kernel runs over the staging cache with these tables.
+    `len(source_blocks)` staging blocks, in that order), the device parts of split rows after them (from the
+    device pool, a host block's worth of device blocks per staging block), the chunk's fresh K/V after those,
+    and the GPU prefill kernel runs over the staging cache with these tables.
     """
 
     source_blocks: torch.Tensor  # host int64 [P]: host-pool blocks holding the prefix tokens
+    device_source_blocks: torch.Tensor  # device int64 [S]: device-pool blocks of split rows' device parts
     num_blocks: int  # staging blocks in all (prefix + chunk)
     block_tables: torch.Tensor  # device int32 [B, max_blocks]: staging block ids, -1 for GPU-tier rows
     slot_mapping: torch.Tensor  # device int64 [T]: staging slot of each CPU-tier token, -1 otherwise

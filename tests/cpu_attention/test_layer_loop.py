@@ -16,7 +16,7 @@ from cpu_attention import CpuAttentionExecutor
 from cpu_attention.decode import kernel_view
 from cpu_attention.decode_kernel import decode_layers
 from cpu_attention.layer_loop import LayerLoop, check_step
-from tests.cpu_attention.test_decode import TOLERANCE
+from tests.cpu_attention.test_decode import LSE_ATOL, TOLERANCE
 from tests.reference import paged_decode_reference, random_paged_kv, relative_error
 
 # head_dim 32: bfloat16 caches take the kernel's vdpbf16ps path on CPUs that have it (a multiple of 32 only).
@@ -52,7 +52,7 @@ def make_step(dtype, seed=0):
             if n:
                 k_new[layer, b], v_new[layer, b] = keys[b][n - 1], values[b][n - 1]
                 slots[b] = int(tables[b, (n - 1) // BLOCK]) * BLOCK + (n - 1) % BLOCK
-        refs.append(paged_decode_reference(q[layer, : len(LENS)], keys, values, HEAD_DIM ** -0.5)[0])
+        refs.append(paged_decode_reference(q[layer, : len(LENS)], keys, values, HEAD_DIM ** -0.5))
     return pools, q, k_new, v_new, slots, tables.numpy(), np.asarray(LENS, np.int32), refs
 
 
@@ -77,11 +77,13 @@ def device_stand_in(gates, interleave=None, layer_seconds=0.0):
 def test_every_layer_matches_reference_and_stores_its_token(executor, dtype):
     pools, q, k_new, v_new, slots, tables, lens, refs = make_step(dtype)
     out = np.full((NUM_LAYERS, q.shape[1], q.shape[2], HEAD_DIM), np.nan, np.float32)
+    lse = np.full((NUM_LAYERS, q.shape[1], q.shape[2]), np.nan, np.float32)
     gates = np.zeros((2, NUM_LAYERS), np.int32)
     order = []
     # A job queued mid-step waits for the whole step: the loop never hands the thread back while the device may
     # still wait on one of its gates (layer_loop.py).
-    loop = LayerLoop(executor, gates, q, k_new, v_new, pools, slots, tables, lens, len(LENS), HEAD_DIM ** -0.5, out)
+    loop = LayerLoop(executor, gates, q, k_new, v_new, pools, slots, tables, lens, len(LENS), HEAD_DIM ** -0.5, out,
+                     lse)
     loop.done.add_done_callback(lambda _: order.append("step"))
     loop.wait_running()  # as the lane does before it launches the device's graph
     device = device_stand_in(gates, interleave=lambda: executor.submit(order.append, "job"))
@@ -91,7 +93,12 @@ def test_every_layer_matches_reference_and_stores_its_token(executor, dtype):
     assert order == ["step", "job"]
     for layer in range(NUM_LAYERS):
         filled = torch.from_numpy(out[layer, : len(LENS) - 1])
-        assert relative_error(filled, refs[layer][:-1]) < TOLERANCE[dtype]
+        ref_out, ref_lse = refs[layer]
+        assert relative_error(filled, ref_out[:-1]) < TOLERANCE[dtype]
+        # Each layer keeps its own log-sum-exp (a split row merges it with its device part's).
+        assert torch.allclose(torch.from_numpy(lse[layer, : len(LENS) - 1]).double(), ref_lse[:-1],
+                              atol=LSE_ATOL[dtype])
+        assert lse[layer, len(LENS) - 1].tolist() == [float("-inf")] * q.shape[2]
         assert not np.any(out[layer, len(LENS) - 1])  # the padding row: no context, output 0
         for b, n in enumerate(LENS[:-1]):
             block, offset = divmod(int(slots[b]), BLOCK)
@@ -181,9 +188,9 @@ def test_step_is_exact_whatever_the_worker_count(executor, workers):
     gates[0, :] = 1  # the device handed everything over
     arrays = [kernel_view(t) for t in (q, k_new, v_new, pools)]
     error = executor.submit(decode_layers, gates, np.zeros(2, np.int64), *arrays, slots, tables, lens, len(LENS),
-                            HEAD_DIM ** -0.5, workers, out, np.empty((len(LENS), q.shape[2]), np.float32),
+                            HEAD_DIM ** -0.5, workers, out, np.empty((NUM_LAYERS, len(LENS), q.shape[2]), np.float32),
                             np.zeros((NUM_LAYERS + 1, 2), np.int64)).result(timeout=60)
     assert error == 0 and gates[1].all()
     for layer in range(NUM_LAYERS):
-        assert relative_error(torch.from_numpy(out[layer, : len(LENS) - 1]), refs[layer][:-1]) < TOLERANCE[torch.float32]
+        assert relative_error(torch.from_numpy(out[layer, : len(LENS) - 1]), refs[layer][0][:-1]) < TOLERANCE[torch.float32]
         assert not np.any(out[layer, len(LENS) - 1])

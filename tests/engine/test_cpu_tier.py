@@ -36,12 +36,14 @@ def test_auto_splits_the_batch_across_tiers(qwen3_dir):
     _assert_parity(qwen3_dir, prompts, outputs)
 
 
-def test_sequence_longer_than_the_whole_device_pool_goes_to_the_host(qwen3_dir):
+def test_sequence_longer_than_the_whole_device_pool_is_split(qwen3_dir):
+    """It keeps on the device only what the request queued behind it will not need (2 of 4 blocks), and
+    prefills in chunks inside its device part and past it."""
     prompts = random_prompts((150, 20), 256, seed=32)
     llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=4, num_cpu_blocks=16,
-              cpu_block_size=16, max_num_batched_tokens=64)  # chunked prefill of the long prompt on the host tier
+              cpu_block_size=16, max_num_batched_tokens=24)
     outputs = _generate(llm, prompts)
-    assert [o.kv_location for o in outputs] == ["cpu", "gpu"]
+    assert [o.kv_location for o in outputs] == ["split", "gpu"]
     _assert_parity(qwen3_dir, prompts, outputs)
 
 

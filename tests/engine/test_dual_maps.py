@@ -55,3 +55,56 @@ def test_prefill_maps_and_prefix_staging_for_host_rows():
     assert {t.device.type for t in (staging.block_tables, staging.slot_mapping, staging.context_lens,
                                     staging.host_token_indices)} == {TEST_DEVICE}
     assert {t.device.type for t in (staging.source_blocks, staging.host_token_slots)} == {"cpu"}
+
+
+def _split(num_tokens, device_prefix, device_tokens, host_table, computed):
+    seq = _placed(num_tokens, BlockLocation.CPU, host_table, computed)
+    seq.device_prefix, seq.num_device_tokens = device_prefix, device_tokens
+    return seq
+
+
+def test_decode_maps_of_a_split_row_fill_both_tiers():
+    builder = StepInputBuilder(torch.device(TEST_DEVICE), block_size=4, cpu_block_size=8)
+    gpu_seq = _placed(6, BlockLocation.GPU, [5, 2], computed=5)
+    # 8 tokens on the device (blocks 4, 0), the rest on the host from token 8: the newest (13) is host token 5.
+    split = _split(14, [4, 0], 8, [6], computed=13)
+    meta = builder.decode([gpu_seq, split]).meta
+    assert meta.slot_mapping.tolist() == [2 * 4 + 1, -1]
+    assert meta.slot_mapping_cpu.tolist() == [-1, 6 * 8 + 5]
+    assert meta.context_lens.tolist() == [6, 8] and meta.context_lens_cpu.tolist() == [0, 6]
+    assert meta.block_tables.tolist() == [[5, 2], [4, 0]]
+    assert meta.block_tables_cpu.tolist() == [[-1], [6]]
+    assert meta.has_gpu_rows and meta.has_cpu_rows
+
+
+def test_prefill_maps_of_a_split_row_by_chunk():
+    """A chunk inside the device part is a device row; one past it is staged with the device part gathered
+    from the device pool; one across the boundary writes each token into its own tier."""
+    builder = StepInputBuilder(torch.device(TEST_DEVICE), block_size=4, cpu_block_size=8)
+    inside = _split(6, [4, 0], 8, [], computed=0)  # prompt tokens 0..5, all in the device part
+    meta = builder.prefill([inside]).meta
+    assert meta.slot_mapping.tolist() == [16, 17, 18, 19, 0, 1]
+    assert meta.slot_mapping_cpu.tolist() == [-1] * 6
+    assert meta.context_lens.tolist() == [6] and meta.has_gpu_rows and not meta.has_cpu_rows
+
+    across = _split(19, [4, 0], 8, [6, 3], computed=6)  # chunk = tokens 6..18: 6, 7 on the device, 8.. on the host
+    meta = builder.prefill([across]).meta
+    assert meta.slot_mapping.tolist() == [2, 3] + [-1] * 11
+    assert meta.slot_mapping_cpu.tolist() == [-1, -1] + [6 * 8 + i for i in range(8)] + [3 * 8 + i for i in range(3)]
+    assert meta.context_lens.tolist() == [0] and meta.has_gpu_rows and meta.has_cpu_rows
+    staging = meta.staging
+    # No host prefix yet; staging block 0 is the device part (device blocks 4, 0), then two chunk blocks.
+    assert staging.source_blocks.tolist() == [] and staging.device_source_blocks.tolist() == [4, 0]
+    assert staging.num_blocks == 3 and staging.block_tables.tolist() == [[0, 1, 2]]
+    assert staging.slot_mapping.tolist() == list(range(6, 19)) and staging.context_lens.tolist() == [19]
+    assert staging.host_token_indices.tolist() == list(range(2, 13))
+
+    past = _split(21, [4, 0], 8, [6, 3], computed=19)  # host prefix: host tokens 0..10 in host blocks 6, 3
+    meta = builder.prefill([past]).meta
+    assert meta.slot_mapping.tolist() == [-1, -1] and meta.slot_mapping_cpu.tolist() == [3 * 8 + 3, 3 * 8 + 4]
+    staging = meta.staging
+    assert staging.source_blocks.tolist() == [6, 3] and staging.device_source_blocks.tolist() == [4, 0]
+    # Staging blocks: host prefix 0, 1; device part 2; the row's table is in token order: 2, 0, 1.
+    assert staging.num_blocks == 3 and staging.block_tables.tolist() == [[2, 0, 1]]
+    assert staging.slot_mapping.tolist() == [1 * 8 + 3, 1 * 8 + 4]
+    assert not meta.has_gpu_rows and staging.host_token_indices is None
