@@ -139,22 +139,68 @@ def b_ratios(runs: list[dict], peers: dict, ideal: dict[str, float]) -> dict:
     return ratios
 
 
-def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
-    """One sequence whose context (prompt + output) reaches c_context tokens, on a c_budget_tokens device pool."""
-    path = model_dir(profile.c_model, cache)
-    prompt_len = profile.c_context - profile.c_output
+def hbm_copy_gbps(gigabytes: float = 2.0, repeats: int = 5) -> float:
+    """Device memory bandwidth of a device-to-device copy (bytes read + written per second), best of repeats."""
+    src = torch.empty(int(gigabytes * 1e9) // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * gigabytes / best
+
+
+def one_long_sequence(profile: Profile, path: str, context: int, placement: str, read_gbps: float,
+                      hbm_gbps: float) -> dict:
+    """One sequence of `context` tokens (prompt + c_output) on a c_budget_tokens device pool. Under "auto" it is
+    split: its first tokens' KV on the device, the rest on the host tier; under "cpu" it is wholly on the host.
+    Its decode bound is the slower of the two parts' reads at the mean context: host bytes / host read GB/s,
+    device bytes / HBM GB/s (the HBM copy's rate, which counts a read and a write per byte: a bound that is
+    generous to the device part)."""
+    prompt_len = context - profile.c_output
     prompt = random_prompts([prompt_len], 10000 if profile.name == "full" else 400, seed=2)
-    kwargs = {**profile.llm_kwargs, "max_model_len": profile.c_context, "max_num_seqs": 1}
+    kwargs = {**profile.llm_kwargs, "max_model_len": context, "max_num_seqs": 1}
     if "num_cpu_blocks" not in kwargs:
-        kwargs["cpu_kv_cache_gb"] = _host_pool_gb(profile.c_context * _kv_bytes_per_token(path) / 2**30)
-    result = measure(path, prompt, [profile.c_output], kv_placement="auto",
+        kwargs["cpu_kv_cache_gb"] = _host_pool_gb(context * _kv_bytes_per_token(path) / 2**30)
+    result = measure(path, prompt, [profile.c_output], kv_placement=placement,
                      num_gpu_blocks=profile.c_budget_tokens // 16, **kwargs)
-    kv_bytes_per_step = (prompt_len + profile.c_output // 2) * result["kv_bytes_per_token"]  # the mean context
-    bound = read_gbps * 1e9 / kv_bytes_per_step
+    mean_context = prompt_len + profile.c_output // 2
+    device_tokens = result["kv_device_tokens"]
+    host_tokens = mean_context - device_tokens
+    per_token = result["kv_bytes_per_token"]
+    step_seconds = max(host_tokens * per_token / (read_gbps * 1e9), device_tokens * per_token / (hbm_gbps * 1e9))
     decode_tok_per_s = 1e3 / result["decode_step_ms_median"]
+    return {"placement": placement, "context": context, **result, "kv_host_tokens": prompt_len - device_tokens,
+            "decode_tok_per_s": decode_tok_per_s, "bound_tok_per_s": 1 / step_seconds,
+            "fraction_of_bound": decode_tok_per_s * step_seconds, "prefill_tok_per_s": prompt_len / result["prefill_seconds"]}
+
+
+def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
+    """One long sequence on a c_budget_tokens device pool: at c_context tokens, split across both tiers (the
+    workload's result), and at 1.5x the budget, where the split matters most; each also wholly on the host tier,
+    for comparison."""
+    path = model_dir(profile.c_model, cache)
+    hbm_gbps = hbm_copy_gbps() if torch.cuda.is_available() else read_gbps  # off CUDA both parts are in host memory
+    runs = {}
+    for name, context in (("long", profile.c_context), ("x1.5", profile.c_budget_tokens * 3 // 2)):
+        for placement in ("auto", "cpu"):
+            run = one_long_sequence(profile, path, context, placement, read_gbps, hbm_gbps)
+            runs[f"{name}_{placement}"] = run
+            print(f"[c] {name} ({context:,} tokens) {placement}: device {run['kv_device_tokens']:,} + host "
+                  f"{run['kv_host_tokens']:,} tokens, decode {run['decode_tok_per_s']:.2f} tok/s = "
+                  f"{run['fraction_of_bound']:.2f} of its bound ({run['bound_tok_per_s']:.2f}), prefill "
+                  f"{run['prefill_tok_per_s']:.0f} tok/s")
+    split = runs["long_auto"]
     return {"model": profile.c_model, "context": profile.c_context, "budget_tokens": profile.c_budget_tokens,
-            **result, "decode_tok_per_s": decode_tok_per_s, "bound_tok_per_s": bound, "host_read_gbps": read_gbps,
-            "fraction_of_bound": decode_tok_per_s / bound}
+            **split, "host_read_gbps": read_gbps, "hbm_gbps": hbm_gbps, "runs": runs,
+            "split_over_host_only": {name: runs[f"{name}_auto"]["decode_tok_per_s"] / runs[f"{name}_cpu"]["decode_tok_per_s"]
+                                     for name in ("long", "x1.5")}}
 
 
 def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None, b_models: str | None = None,
@@ -187,8 +233,9 @@ def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None
                   + ", ".join(f"@{k} {v:.0f}" for k, v in b["ideal_tok_per_s"].items()))
     if "c" in workloads:
         result["c"] = workload_c(profile, cache, read_gbps)
-        print(f"[c] decode {result['c']['decode_tok_per_s']:.2f} tok/s = {result['c']['fraction_of_bound']:.2f} "
-              f"of the host-read bound ({result['c']['bound_tok_per_s']:.2f} tok/s)")
+        print(f"[c] split decode {result['c']['decode_tok_per_s']:.2f} tok/s = {result['c']['fraction_of_bound']:.2f} "
+              f"of its bound ({result['c']['bound_tok_per_s']:.2f} tok/s); split / host only: "
+              + ", ".join(f"{k} {v:.2f}x" for k, v in result["c"]["split_over_host_only"].items()))
     out_dir = out_dir or os.path.join(RESULTS, result["device"])
     os.makedirs(out_dir, exist_ok=True)
     name = os.path.join(out_dir, f"offload_{profile_name}{part_name(profile, workloads, specs)}")

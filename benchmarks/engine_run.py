@@ -45,7 +45,8 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **
         "total_tok_per_s": (generated + sum(map(len, prompts))) / seconds,
         "prefill_seconds": sum(s.seconds for s in steps if s.is_prefill),
         "decode_steps": len(decode_ms), "decode_step_ms_median": decode_ms[len(decode_ms) // 2],
-        "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu")},
+        "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu", "split")},
+        "kv_device_tokens": sum(o.kv_device_tokens for o in outputs),  # of split requests
         # the measured call's own moves and tokens, without the warm-up's
         "preemptions": scheduler.num_preemptions - moves_before[0],
         "promotions": scheduler.num_promotions - moves_before[1],

@@ -148,8 +148,8 @@ class LLM:
         decoded = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else None
         return RequestOutput(prompt=text, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
                              token_ids=completion, text=decoded, finish_reason=seq.finish_reason,
-                             kv_location=seq.kv_location, kv_promoted=seq.promoted,
-                             kv_demoted=seq.demoted)
+                             kv_location=seq.kv_location, kv_device_tokens=seq.admitted_device_tokens,
+                             kv_promoted=seq.promoted, kv_demoted=seq.demoted)
 
     def close(self) -> None:
         """Releases the host pool's pinning, the executor threads, the CUDA graphs and both pools. Idempotent;

@@ -109,7 +109,7 @@ class BlockManager:
             assert location == BlockLocation.CPU and device_tokens % self.pools[BlockLocation.GPU].block_size == 0
             gpu = self.pools[BlockLocation.GPU]
             seq.device_prefix, hits = self._take_blocks(gpu, seq, gpu.blocks_for(device_tokens))
-            seq.num_device_tokens, seq.admitted_split = device_tokens, True
+            seq.num_device_tokens = seq.admitted_device_tokens = device_tokens
             host = self.pools[BlockLocation.CPU]
             seq.block_table = [host.take_free() for _ in range(host.blocks_for(len(seq) - device_tokens))]
             block_size = gpu.block_size

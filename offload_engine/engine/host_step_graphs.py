@@ -10,6 +10,11 @@ then brings the output back; `decode_layers` on the executor waits on gate 0, st
 output and opens gate 1 (cpu_attention/layer_loop.py, which also says why the graph is launched only once
 the loop runs). A step takes the GIL twice: to replay and to collect.
 
+Split rows (DESIGN.md, "Sequences across both tiers") also attend over their device part. Where the engine can
+have them (`device_blocks_per_seq`), the graphs run the device kernel over it between a layer's gate 0 and its
+gate 1, beside the host kernel, and merge the two partials by LSE once the host's are back; rows that are not
+split have device context 0 there, and the merge passes their host partial through.
+
 Rows beyond the batch (a batch of 37 runs in the 48 graph) compute on stale inputs: the kernel reads only the
 batch's rows and their outputs are never read, as in the piecewise graphs.
 
@@ -51,7 +56,7 @@ def few_sms(device: torch.device):
 
 class HostStepGraphs:
     def __init__(self, model, max_num_seqs: int, dtype: torch.dtype, device: torch.device, host_pool, executor,
-                 capture_stream: torch.cuda.Stream):
+                 capture_stream: torch.cuda.Stream, device_blocks_per_seq: int | None = None):
         self.model, self.executor, self.pools = model, executor, host_pool.stacked
         inner = model.model
         attn = model.attention_layers()[0]
@@ -69,7 +74,13 @@ class HostStepGraphs:
         self.k_host = pinned((layers, largest, kv_heads, head_dim), dtype)
         self.v_host = pinned((layers, largest, kv_heads, head_dim), dtype)
         self.out_host = pinned((layers, largest, heads, head_dim), torch.float32)  # rounded on the device
+        self.lse_host = pinned((layers, largest, heads), torch.float32)
         self.gates = pinned((2, layers), torch.int32)
+        self.device_lens = self.device_tables = None
+        if device_blocks_per_seq is not None:  # split rows' device parts: maps in static buffers
+            self.device_lens = torch.zeros(largest, dtype=torch.int32, device=device)
+            self.device_tables = torch.full((largest, device_blocks_per_seq), -1, dtype=torch.int32, device=device)
+            self.lse_device = torch.zeros(largest, heads, dtype=torch.float32, device=device)
         self.gates_np = self.gates.numpy()
         self.capture_stream, self.pool = capture_stream, None
         self.last_device_wait_seconds = 0.0
@@ -88,12 +99,28 @@ class HostStepGraphs:
                 self.k_host[layer, :size].copy_(k, non_blocking=True)
                 self.v_host[layer, :size].copy_(v, non_blocking=True)
                 open_gate(self._gate(0, layer))
+            device_part = self._attend_device_part(layer, q, size)  # beside the host kernel
+            if gated:
                 wait_gate(self._gate(1, layer))
                 out_device.copy_(self.out_host[layer, :size], non_blocking=True)
-            attn_out.copy_(out_device)
+            if device_part is None:
+                attn_out.copy_(out_device)
+            else:
+                if gated:
+                    self.lse_device[:size].copy_(self.lse_host[layer, :size], non_blocking=True)
+                attn = self.model.attention_layers()[layer]
+                attn_out.copy_(attn.backend.merge_attn_states(*device_part, out_device, self.lse_device[:size])[0])
             if layer + 1 < self.num_layers:
                 q, k, v, residual = inner.between(layer + 1, positions, attn_out, residual)
         return self.model.compute_logits(inner.end(attn_out, residual))
+
+    def _attend_device_part(self, layer: int, q: torch.Tensor, size: int):
+        """(out, lse) of the rows' device parts for the layer, or None where the engine has no split rows."""
+        if self.device_tables is None:
+            return None
+        attn = self.model.attention_layers()[layer]
+        return attn.backend.paged_decode_attention(q, attn.k_cache, attn.v_cache, self.device_tables[:size],
+                                                   self.device_lens[:size], self.scale)
 
     def _gate(self, which: int, layer: int) -> int:
         return self.gates.data_ptr() + self.gates.element_size() * (which * self.num_layers + layer)
@@ -115,8 +142,9 @@ class HostStepGraphs:
         self.whole, self.pool = {}, None
 
     def fits(self, batch: int, meta) -> bool:
-        """Host-tier rows only (the host lane never has others), at most the largest bucket."""
-        return batch <= self.buckets[-1] and not meta.has_gpu_rows
+        """Host-tier rows, split ones where the graphs have their device part, at most the largest bucket."""
+        return batch <= self.buckets[-1] and (not meta.has_gpu_rows or (
+            self.device_tables is not None and meta.block_tables.shape[1] <= self.device_tables.shape[1]))
 
     @torch.inference_mode()
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -129,10 +157,15 @@ class HostStepGraphs:
         check_step(self.pools, slots, tables, lens)  # before anything is queued
         self.token_ids[:batch].copy_(token_ids)
         self.positions[:batch].copy_(positions)
+        if self.device_tables is not None:  # rows past the batch, and rows that are not split, read nothing
+            self.device_lens.zero_()
+            if meta.has_gpu_rows:
+                self.device_lens[:batch].copy_(meta.context_lens)
+                self.device_tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.gates_np.fill(0)  # the last step's graph and loop are both done: its sampler synced, its loop returned
         graph, logits = self.whole[size]
         loop = LayerLoop(self.executor, self.gates_np, self.q_host, self.k_host, self.v_host, self.pools, slots,
-                         tables, lens, batch, self.scale, self.out_host.numpy())
+                         tables, lens, batch, self.scale, self.out_host.numpy(), self.lse_host.numpy())
         loop.wait_running()  # the graph waits on the loop's gates: launch it only once the loop needs no GIL
         if loop.done.done():
             loop.result()  # it failed before it ran: raise that, with nothing launched

@@ -170,9 +170,14 @@ class ModelRunner:
             from offload_engine.engine.host_step_graphs import HostStepGraphs
 
             warn_if_narrow()
-            # Whole host steps, the host kernel gated in (host_step_graphs.py). Capture runs no host kernel.
+            # Whole host steps, the host kernel gated in (host_step_graphs.py). Capture runs no host kernel. Where a
+            # sequence can be too long for the device pool, it can be split (placement.split_device_tokens), and the
+            # graphs attend over device parts too; split rows are rare, so other engines' graphs leave that out.
+            splits = (self.cfg.kv_placement == "auto" and whole
+                      and -(-self.max_model_len // self.cfg.block_size) > self.num_gpu_blocks)
             graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
-                                            self.host_pool, self.executor, engine_stream(self.device, "capture-host"))
+                                            self.host_pool, self.executor, engine_stream(self.device, "capture-host"),
+                                            device_blocks_per_seq=self.num_gpu_blocks if splits else None)
         return graphs
 
     @property

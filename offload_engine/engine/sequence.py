@@ -37,7 +37,7 @@ class Sequence:
         # first num_device_tokens tokens in these device blocks; block_table holds the rest, from that token on.
         self.device_prefix: list[int] = []
         self.num_device_tokens = 0
-        self.admitted_split = False  # kept for the output, as admitted_to
+        self.admitted_device_tokens = 0  # a split sequence's num_device_tokens at admission, for the output
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.num_hashed_blocks = 0  # leading full blocks already registered for prefix reuse
@@ -70,7 +70,7 @@ class Sequence:
     @property
     def kv_location(self) -> str:
         """Where its KV was placed at admission: "gpu", "cpu" or "split" (RequestOutput.kv_location)."""
-        return "split" if self.admitted_split else self.admitted_to.value
+        return "split" if self.admitted_device_tokens else self.admitted_to.value
 
     @property
     def tokens_left(self) -> int:

@@ -11,7 +11,7 @@ from offload_engine import LLM, SamplingParams
 from offload_engine.engine import placement
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence
-from tests.conftest import TEST_DEVICE
+from tests.conftest import TEST_DEVICE, requires_cuda
 from tests.oracle import hf_greedy, random_prompts
 
 NEW_TOKENS = 12
@@ -32,7 +32,7 @@ def test_one_long_sequence_across_both_tiers(tiny_models, arch, prompt_len):
     with _engine(model_dir) as llm:
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
         assert llm.engine.blocks.pool(BlockLocation.GPU).num_free == 6  # both parts freed at the end
-    assert outputs[0].kv_location == "split"
+    assert outputs[0].kv_location == "split" and outputs[0].kv_device_tokens == min(prompt_len, 96) // 32 * 32
     assert outputs[0].token_ids == hf_greedy(model_dir, prompts, NEW_TOKENS)[0]
 
 
@@ -92,3 +92,23 @@ def test_split_policy():
     assert placement.split_device_tokens(_seq(300, 1), "auto", blocks, [row, long]) == 0  # 2 free, 2 kept
     blocks.deallocate(long)
     assert blocks.pool(BlockLocation.GPU).num_free == 6 and blocks.pool(BlockLocation.CPU).num_free == 64
+
+
+@requires_cuda
+def test_split_rows_decode_in_the_host_lanes_graphs(tiny_models, monkeypatch):
+    """On CUDA the host lane's whole-step graphs attend over split rows' device parts themselves (beside the
+    host kernel, merged in the graph): no split step falls back to the eager model."""
+    from offload_engine.engine.host_step_graphs import HostStepGraphs
+
+    model_dir = tiny_models["qwen2"]
+    prompts = random_prompts([150, 40], 256, seed=95)
+    graph_steps, run = [], HostStepGraphs.run
+    monkeypatch.setattr(HostStepGraphs, "run", lambda self, t, p, meta: graph_steps.append(meta.has_gpu_rows)
+                        or run(self, t, p, meta))
+    with _engine(model_dir, num_cpu_blocks=64) as llm:
+        eager = llm.engine.runner.model.forward
+        llm.engine.runner.model.forward = lambda *a: pytest.fail("a decode step ran eagerly") if not a[2].is_prefill \
+            else eager(*a)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+    assert [o.kv_location for o in outputs] == ["split", "gpu"] and any(graph_steps)
+    assert [o.token_ids for o in outputs] == hf_greedy(model_dir, prompts, NEW_TOKENS)
