@@ -133,8 +133,8 @@ def headline(result: dict) -> str:
     if "c" in result:
         c = result["c"]
         if "runs" not in c:  # before sequences were split (issue 11): wholly on the host tier
-            lines.append(f"- c. {c['model']}, one {c['context']:,}-token context, {c['device_pool_gib']:.2f} GiB device "
-                         f"budget: decode **{c['decode_tok_per_s']:.2f} tok/s = {c['fraction_of_bound']:.2f} of the "
+            lines.append(f"- c. {c['model']}, one {c['context']:,}-token context, {c['device_pool_gib']:.2f} GiB "
+                         f"device budget: decode **{c['decode_tok_per_s']:.2f} tok/s = {c['fraction_of_bound']:.2f} of the "
                          f"host-read bound** ({c['bound_tok_per_s']:.2f} tok/s at {c['host_read_gbps']:.0f} GB/s).")
         else:
             lines.append(f"- c. {c['model']}, one sequence on a {c['budget_tokens']:,}-token device budget (host reads "
@@ -144,9 +144,9 @@ def headline(result: dict) -> str:
                          "prefill tok/s |")
             lines.append("  |---|---|---|---|---|---|---|")
             for run in c["runs"].values():
-                where = "split" if run["placement"] == "auto" else "host only"
-                lines.append(f"  | {run['context']:,} | {where} | {run['kv_device_tokens']:,} + {run['kv_host_tokens']:,} "
-                             f"| {run['decode_tok_per_s']:.2f} | {run['bound_tok_per_s']:.2f} | "
+                where = {"auto": "split", "cpu": "host only", "gpu": "device only"}[run["placement"]]
+                lines.append(f"  | {run['context']:,} | {where} | {run['kv_device_tokens']:,} + "
+                             f"{run['kv_host_tokens']:,} | {run['decode_tok_per_s']:.2f} | {run['bound_tok_per_s']:.2f} | "
                              f"**{run['fraction_of_bound']:.2f}** | {run['prefill_tok_per_s']:.0f} |")
     return "\n".join(lines)
 

@@ -11,9 +11,10 @@ output and opens gate 1 (cpu_attention/layer_loop.py, which also says why the gr
 the loop runs). A step takes the GIL twice: to replay and to collect.
 
 Split rows (DESIGN.md, "Sequences across both tiers") also attend over their device part. Where the engine can
-have them (`device_blocks_per_seq`), the graphs run the device kernel over it between a layer's gate 0 and its
-gate 1, beside the host kernel, and merge the two partials by LSE once the host's are back; rows that are not
-split have device context 0 there, and the merge passes their host partial through.
+have them (`device_blocks_per_seq`), a second graph per batch size runs the device kernel over it between a
+layer's gate 0 and its gate 1, beside the host kernel, and merges the two partials by LSE once the host's are
+back; rows that are not split have device context 0 there, and the merge passes their host partial through.
+Steps without split rows replay the graph without that work.
 
 Rows beyond the batch (a batch of 37 runs in the 48 graph) compute on stale inputs: the kernel reads only the
 batch's rows and their outputs are never read, as in the piecewise graphs.
@@ -84,12 +85,15 @@ class HostStepGraphs:
         self.gates_np = self.gates.numpy()
         self.capture_stream, self.pool = capture_stream, None
         self.last_device_wait_seconds = 0.0
-        self.whole: dict[int, tuple] = {}
+        self.whole: dict[tuple[int, bool], tuple] = {}  # (size, with split rows' device parts) -> graph, logits
         for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
-            self._capture(size)
+            self._capture(size, device_part=False)
+            if self.device_tables is not None:
+                self._capture(size, device_part=True)
 
-    def _step(self, size: int, gated: bool) -> torch.Tensor:
-        """The step's device work for `size` rows; gated=False (the warm-up) leaves the host out."""
+    def _step(self, size: int, gated: bool, device_part: bool) -> torch.Tensor:
+        """The step's device work for `size` rows; gated=False (the warm-up) leaves the host out; device_part: the
+        rows' device parts are attended to and merged."""
         inner = self.model.model
         positions, attn_out, out_device = self.positions[:size], self.attn_out[:size], self.out_device[:size]
         q, k, v, residual = inner.begin(self.token_ids[:size], positions)
@@ -99,25 +103,23 @@ class HostStepGraphs:
                 self.k_host[layer, :size].copy_(k, non_blocking=True)
                 self.v_host[layer, :size].copy_(v, non_blocking=True)
                 open_gate(self._gate(0, layer))
-            device_part = self._attend_device_part(layer, q, size)  # beside the host kernel
+            partial = self._attend_device_part(layer, q, size) if device_part else None  # beside the host kernel
             if gated:
                 wait_gate(self._gate(1, layer))
                 out_device.copy_(self.out_host[layer, :size], non_blocking=True)
-            if device_part is None:
+            if partial is None:
                 attn_out.copy_(out_device)
             else:
                 if gated:
                     self.lse_device[:size].copy_(self.lse_host[layer, :size], non_blocking=True)
                 attn = self.model.attention_layers()[layer]
-                attn_out.copy_(attn.backend.merge_attn_states(*device_part, out_device, self.lse_device[:size])[0])
+                attn_out.copy_(attn.backend.merge_attn_states(*partial, out_device, self.lse_device[:size])[0])
             if layer + 1 < self.num_layers:
                 q, k, v, residual = inner.between(layer + 1, positions, attn_out, residual)
         return self.model.compute_logits(inner.end(attn_out, residual))
 
     def _attend_device_part(self, layer: int, q: torch.Tensor, size: int):
-        """(out, lse) of the rows' device parts for the layer, or None where the engine has no split rows."""
-        if self.device_tables is None:
-            return None
+        """(out, lse) of the rows' device parts for the layer."""
         attn = self.model.attention_layers()[layer]
         return attn.backend.paged_decode_attention(q, attn.k_cache, attn.v_cache, self.device_tables[:size],
                                                    self.device_lens[:size], self.scale)
@@ -126,15 +128,16 @@ class HostStepGraphs:
         return self.gates.data_ptr() + self.gates.element_size() * (which * self.num_layers + layer)
 
     @torch.inference_mode()
-    def _capture(self, size: int) -> None:
+    def _capture(self, size: int, device_part: bool) -> None:
         with few_sms(self.positions.device):
-            self._step(size, gated=False)  # warm up outside the graph: lazy inits and autotuning must not be captured
+            # Warm up outside the graph: lazy inits and autotuning must not be captured.
+            self._step(size, gated=False, device_part=device_part)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
-                logits = self._step(size, gated=True)
+                logits = self._step(size, gated=True, device_part=device_part)
         self.pool = graph.pool()
         torch.cuda.synchronize()
-        self.whole[size] = (graph, logits)
+        self.whole[size, device_part] = (graph, logits)
 
     def release(self) -> None:
         for graph, _ in self.whole.values():
@@ -157,13 +160,12 @@ class HostStepGraphs:
         check_step(self.pools, slots, tables, lens)  # before anything is queued
         self.token_ids[:batch].copy_(token_ids)
         self.positions[:batch].copy_(positions)
-        if self.device_tables is not None:  # rows past the batch, and rows that are not split, read nothing
+        if meta.has_gpu_rows:  # rows past the batch, and rows that are not split, read nothing
             self.device_lens.zero_()
-            if meta.has_gpu_rows:
-                self.device_lens[:batch].copy_(meta.context_lens)
-                self.device_tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables)
+            self.device_lens[:batch].copy_(meta.context_lens)
+            self.device_tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables)
         self.gates_np.fill(0)  # the last step's graph and loop are both done: its sampler synced, its loop returned
-        graph, logits = self.whole[size]
+        graph, logits = self.whole[size, meta.has_gpu_rows]
         loop = LayerLoop(self.executor, self.gates_np, self.q_host, self.k_host, self.v_host, self.pools, slots,
                          tables, lens, batch, self.scale, self.out_host.numpy(), self.lse_host.numpy())
         loop.wait_running()  # the graph waits on the loop's gates: launch it only once the loop needs no GIL

@@ -69,9 +69,9 @@ def split_device_tokens(seq: Sequence, policy: str, blocks: BlockManager, runnin
 
     The device part takes only room whole rows will not need: what is free now less what the device rows still
     lack to reach their budgets (so splitting never causes a demotion) and less the budgets of the `waiting`
-    requests that could live on the device whole (admitted after it, they still get the device). It covers at most the prompt
-    (the first tokens, whose KV is known at admission) and is a whole number of host blocks, so that a host
-    prefill step can gather it into the host-block-sized staging cache (Attention._stage_prefix). The parts
+    requests that could live on the device whole (admitted after it, they still get the device). It covers at
+    most the prompt (the first tokens, whose KV is known at admission) and is a whole number of host blocks, so
+    that a host prefill step can gather it into the host-block-sized staging cache (Attention._stage_prefix). The parts
     stay fixed until the sequence ends: growing or shrinking the device part would mean moving KV across
     the tiers at every change of room, and the sequence's decode is bound by its host part meanwhile."""
     gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)

@@ -144,8 +144,9 @@ class StepInputBuilder:
         slots = np.full(cu_seqlens[-1], -1, dtype=np.int64)
         for b, seq in enumerate(seqs):
             if seq.seq_id in tables:
-                slots[cu_seqlens[b] : cu_seqlens[b + 1]] = slots_for(
-                    tables[seq.seq_id], block_size, seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens)
+                start = seq.num_computed_tokens
+                slots[cu_seqlens[b] : cu_seqlens[b + 1]] = slots_for(tables[seq.seq_id], block_size, start,
+                                                                     start + seq.num_scheduled_tokens)
         host_tokens = np.flatnonzero(host_slots >= 0)
         return PrefixStaging(
             source_blocks=torch.tensor(source, dtype=torch.int64),
