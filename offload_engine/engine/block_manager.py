@@ -12,6 +12,7 @@ a hash collision can never serve wrong KV). Freed blocks keep their registration
 again, least recently freed first.
 """
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
@@ -70,6 +71,26 @@ class BlockPool:
         block = self.blocks[block_id]
         block.hash, block.token_ids = block_hash, token_ids
         self.cached.setdefault(block_hash, block_id)
+
+
+@dataclass
+class DevicePartGrowth:
+    """A split sequence's device part taking over the first blocks of its host part, as a promotion move sees it
+    (kv_promotion copies `num_computed_tokens` tokens from the old host blocks into `block_table`): the moved
+    tokens and their new device blocks. Its `in_flight` is the sequence's, which sits out both lanes until the
+    copy has landed."""
+
+    seq: Sequence
+    num_computed_tokens: int
+    block_table: list[int]
+
+    @property
+    def in_flight(self) -> bool:
+        return self.seq.in_flight
+
+    @in_flight.setter
+    def in_flight(self, value: bool) -> None:
+        self.seq.in_flight = value
 
 
 class BlockManager:
@@ -164,6 +185,23 @@ class BlockManager:
         seq.location, seq.num_hashed_blocks = location, 0
         self.register_computed_blocks(seq)
         return old_table
+
+    def grow_device_part(self, seq: Sequence, num_host_blocks: int) -> tuple[DevicePartGrowth, list[int]]:
+        """Moves the first num_host_blocks blocks of a split sequence's host part (computed, full) to new device
+        blocks at the end of its device part. Returns the move and the old host blocks, which hold the KV until the
+        next allocation: the caller copies it (LLMEngine._promote) before anything else is scheduled."""
+        gpu, cpu = self.pools[BlockLocation.GPU], self.pools[BlockLocation.CPU]
+        tokens = num_host_blocks * cpu.block_size
+        assert seq.is_split and tokens <= seq.num_computed_tokens - seq.num_device_tokens
+        old = seq.block_table[:num_host_blocks]
+        for block_id in reversed(old):
+            cpu.release(block_id)
+        new = [gpu.take_free() for _ in range(gpu.blocks_for(tokens))]
+        seq.device_prefix = seq.device_prefix + new
+        seq.block_table = seq.block_table[num_host_blocks:]
+        seq.num_device_tokens += tokens
+        self.register_computed_blocks(seq)
+        return DevicePartGrowth(seq, tokens, new), old
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the newest token: a new block is needed only when it starts one."""

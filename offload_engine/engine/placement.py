@@ -22,7 +22,7 @@
     sequences do; the lane always steps when the device lane has no rows.
   - A sequence larger than the whole device pool is split (`split_device_tokens`): the device keeps its first
     tokens' KV in room no device row will need, the host tier the rest, and it decodes in the host lane with
-    both partials merged on the GPU. Its parts stay as they are until it ends.
+    both partials merged on the GPU. Its device part grows as room frees up (`split_growth`), never shrinks.
 """
 from collections.abc import Iterable, Iterator
 
@@ -71,18 +71,41 @@ def split_device_tokens(seq: Sequence, policy: str, blocks: BlockManager, runnin
     lack to reach their budgets (so splitting never causes a demotion) and less the budgets of the `waiting`
     requests that could live on the device whole (admitted after it, they still get the device). It covers at
     most the prompt (the first tokens, whose KV is known at admission) and is a whole number of host blocks, so
-    that a host prefill step can gather it into the host-block-sized staging cache (Attention._stage_prefix). The parts
-    stay fixed until the sequence ends: growing or shrinking the device part would mean moving KV across
-    the tiers at every change of room, and the sequence's decode is bound by its host part meanwhile."""
+    that a host prefill step can gather it into the host-block-sized staging cache (Attention._stage_prefix).
+    It grows as room frees up (split_growth)."""
     gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)
     if policy != "auto" or gpu.blocks_for(seq.budget) <= gpu.num_blocks or cpu.block_size % gpu.block_size:
         return 0
+    tokens = min(_spare_device_blocks(seq, blocks, running, waiting) * gpu.block_size, len(seq))
+    tokens = tokens // cpu.block_size * cpu.block_size
+    return tokens if tokens > 0 and blocks.can_allocate(seq, CPU, tokens) else 0
+
+
+def split_growth(seq: Sequence, blocks: BlockManager, running: Iterable[Sequence],
+                 waiting: Iterable[Sequence] = ()) -> int:
+    """How many leading blocks of a split sequence's host part move to the device now (0: none). When device room
+    frees up (device rows end, after host rows have been promoted into it), a split row's device part grows into
+    what whole rows will not need, by the rule split_device_tokens admits by: each host block that moves up is
+    read at device speed from then on, and the row's steps, bound by its host part, get shorter. Only computed,
+    full host blocks move, so the host part stays aligned at its first token. The device part never shrinks:
+    the room it holds was left over when it was taken, and device rows that need more are demoted instead
+    (demotion_order), as without splits."""
+    gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)
+    if not seq.is_split or seq.in_flight or seq.in_prefill:
+        return 0
+    spare = _spare_device_blocks(seq, blocks, running, waiting) * gpu.block_size // cpu.block_size
+    return max(0, min(spare, (seq.num_computed_tokens - seq.num_device_tokens) // cpu.block_size))
+
+
+def _spare_device_blocks(seq: Sequence, blocks: BlockManager, running: Iterable[Sequence],
+                         waiting: Iterable[Sequence]) -> int:
+    """Free device blocks less what the device rows still lack to reach their budgets and what the waiting
+    requests that could live on the device whole would take."""
+    gpu = blocks.pool(GPU)
     needed = sum(max(0, gpu.blocks_for(s.budget) - len(s.block_table)) for s in running if s.location == GPU)
     needed += sum(gpu.blocks_for(s.budget) for s in waiting
                   if s is not seq and gpu.blocks_for(s.budget) <= gpu.num_blocks)
-    room = (gpu.num_free - needed) * gpu.block_size
-    tokens = min(room, len(seq)) // cpu.block_size * cpu.block_size
-    return tokens if tokens > 0 and blocks.can_allocate(seq, CPU, tokens) else 0
+    return gpu.num_free - needed
 
 
 def demotes(victim: Sequence, policy: str, blocks: BlockManager) -> bool:

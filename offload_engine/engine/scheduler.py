@@ -39,6 +39,7 @@ class Scheduler:
         self.num_preemptions = 0
         self.num_promotions = 0
         self.num_demotions = 0
+        self.num_split_growths = 0  # split rows' device parts taking over host blocks
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -114,7 +115,8 @@ class Scheduler:
 
     def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
         """Host-tier sequences to move into the device pool now (engine/placement.py picks them), each with the
-        host blocks that still hold its KV. Call before admitting new requests: host sequences take freed device
+        host blocks that still hold its KV, and split rows whose device parts grow (a DevicePartGrowth each, with
+        the host blocks it takes over). Call before admitting new requests: host sequences take freed device
         room first, as "gpu" re-admits its preempted sequences first. Sequences in the host step in flight are
         passed over, so every one that fits moves at once (promotion_hold_back keeps the next ones out of the
         host step)."""
@@ -124,6 +126,12 @@ class Scheduler:
         for seq, _ in moves:
             seq.promoted = True
         self.num_promotions += len(moves)
+        # Then split rows' device parts grow into what is left (placement.split_growth); each growth is a move too.
+        for seq in [s for s in self.running if s.is_split]:
+            count = placement.split_growth(seq, self.blocks, self.running, self._could_join())
+            if count:
+                moves.append(self.blocks.grow_device_part(seq, count))
+                self.num_split_growths += 1
         return moves
 
     def promotion_hold_back(self, horizon_steps: float) -> frozenset[int]:

@@ -112,3 +112,44 @@ def test_split_rows_decode_in_the_host_lanes_graphs(tiny_models, monkeypatch):
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
     assert [o.kv_location for o in outputs] == ["split", "gpu"] and any(graph_steps)
     assert [o.token_ids for o in outputs] == hf_greedy(model_dir, prompts, NEW_TOKENS)
+
+
+def test_device_part_grows_as_device_rows_end(tiny_models):
+    """A 20-token request with 4 new tokens ends early; the 2 device blocks it held go to the split row's device
+    part (one 32-token host block moves up) while the split row decodes. Exact all along,
+    and every block is free at the end."""
+    model_dir = tiny_models["llama"]
+    prompts = random_prompts([20, 150], 256, seed=96)
+    params = [SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0, max_tokens=40)]
+    with _engine(model_dir, num_gpu_blocks=8) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        scheduler, blocks = llm.engine.scheduler, llm.engine.blocks
+        assert scheduler.num_split_growths >= 1 and scheduler.num_demotions == scheduler.num_preemptions == 0
+        assert blocks.pool(BlockLocation.GPU).num_free == 8 and blocks.pool(BlockLocation.CPU).num_free == 64
+    assert [o.kv_location for o in outputs] == ["gpu", "split"]
+    assert outputs[1].kv_device_tokens == 96  # at admission: 8 blocks less the 20-token row's 2 (its budget: 24)
+    refs = hf_greedy(model_dir, prompts[:1], 4) + hf_greedy(model_dir, prompts[1:], 40)
+    assert [o.token_ids for o in outputs] == refs
+
+
+def test_growth_policy():
+    """Computed, full host blocks only, into spare room only; never while in flight or in prefill."""
+    blocks = BlockManager(num_gpu_blocks=8, block_size=16, num_cpu_blocks=64, cpu_block_size=32)
+    long = _seq(200, 10)
+    blocks.allocate(long, BlockLocation.CPU, 64)  # 4 device blocks, host part of 136 tokens
+    long.num_computed_tokens = 199
+    long.status = None
+    assert placement.split_growth(long, blocks, [long]) == 2  # 4 spare device blocks = 2 host blocks
+    long.in_flight = True
+    assert placement.split_growth(long, blocks, [long]) == 0
+    long.in_flight = False
+    growth, old = blocks.grow_device_part(long, 2)
+    assert growth.num_computed_tokens == 64 and len(growth.block_table) == 4 and len(old) == 2
+    assert long.num_device_tokens == 128 and long.device_prefix[-4:] == growth.block_table
+    assert len(long.block_table) == 3 and blocks.pool(BlockLocation.CPU).num_free == 61  # 72 host tokens left
+    assert placement.split_growth(long, blocks, [long]) == 0  # no device room left
+    short = _seq(80, 100)  # budget 180: too long for the pool, split with 64 device tokens in a fresh manager
+    blocks = BlockManager(num_gpu_blocks=8, block_size=16, num_cpu_blocks=64, cpu_block_size=32)
+    blocks.allocate(short, BlockLocation.CPU, 64)
+    short.num_computed_tokens = 79
+    assert placement.split_growth(short, blocks, [short]) == 0  # 15 computed host tokens: no full host block
