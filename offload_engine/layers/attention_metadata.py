@@ -2,7 +2,9 @@
 
 Rows (sequences) and tokens of the other tier are masked: slot -1, context length 0, block-table row of -1.
 Each tier's kernel can therefore run over the whole batch, and the other tier's rows come back empty
-(out 0, lse -inf), which is exactly what `merge_attn_states` passes through.
+(out 0, lse -inf), which is exactly what `merge_attn_states` passes through. A split row (DESIGN.md, "Sequences
+across both tiers") has both: in decode its device part in the GPU maps and its host part in the CPU maps, and
+the merge combines two non-empty partials.
 """
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -43,7 +45,8 @@ class AttentionMetadata:
     slot_mapping_cpu: torch.Tensor  # [T] int64, -1 for GPU-tier tokens
     context_lens_cpu: torch.Tensor  # [B] int32, 0 for GPU-tier rows
     block_tables_cpu: torch.Tensor  # [B, max_blocks_cpu] int32, -1 rows for GPU-tier rows
-    # Which tiers have rows this step: host facts, so no layer has to sync to find out.
+    # Which tiers take part in this step (some row attends over its KV, or some token is written into it; in a
+    # prefill, has_cpu_rows: some row attends through the staging cache): host facts, so no layer has to sync.
     has_gpu_rows: bool
     has_cpu_rows: bool
     # Prefill only: packed query layout (device) and its longest row.
