@@ -87,7 +87,8 @@ def split_growth(seq: Sequence, blocks: BlockManager, running: Iterable[Sequence
     frees up (device rows end, after host rows have been promoted into it), a split row's device part grows into
     what whole rows will not need, by the rule split_device_tokens admits by: each host block that moves up is
     read at device speed from then on, and the row's steps, bound by its host part, get shorter. Only computed,
-    full host blocks move, so the host part stays aligned at its first token. The device part never shrinks:
+    full host blocks move, so the host part stays aligned at its first token. The copy is a promotion's (the
+    scheduler asks only with kv_promotion on, right after promotions). The device part never shrinks:
     the room it holds was left over when it was taken, and device rows that need more are demoted instead
     (demotion_order), as without splits."""
     gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)
