@@ -174,11 +174,16 @@ def parse_args():
     p.add_argument("--rotate-gb", type=float, default=None, help="rotate inputs over this much memory (default 1)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--no-sdpa", action="store_true")
+    p.add_argument("--cases", default=None, help="BxL,BxL,... instead of the default grid (e.g. 1x131072)")
+    p.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
     p.add_argument("--tag", default=socket.gethostname())
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cpu_attention_<tag>.json)")
     args = p.parse_args()
     quick = args.quick
-    args.cases = QUICK_CASES if quick else CASES
+    if args.cases:
+        args.cases = [tuple(int(x) for x in case.split("x")) for case in args.cases.split(",")]
+    else:
+        args.cases = QUICK_CASES if quick else CASES
     args.sweep_shape = tuple(int(x) for x in (args.sweep_shape or ("2,4096" if quick else "8,32768")).split(","))
     args.ceiling_gb = args.ceiling_gb or (0.5 if quick else 4.0)
     args.rotate_gb = args.rotate_gb or (0.25 if quick else 1.0)
@@ -207,9 +212,10 @@ def main():
     for batch, length in args.cases:
         cases.append(run_case(batch, length, args, ceiling, with_sdpa=not args.no_sdpa))
         print_row(cases[-1])
-    print(f"block-size sweep at B={args.sweep_shape[0]} L={args.sweep_shape[1]}:")
+    if not args.no_sweep:
+        print(f"block-size sweep at B={args.sweep_shape[0]} L={args.sweep_shape[1]}:")
     sweep = []
-    for block_size in SWEEP_BLOCK_SIZES:
+    for block_size in () if args.no_sweep else SWEEP_BLOCK_SIZES:
         sweep.append(run_case(*args.sweep_shape, args, ceiling, with_sdpa=False, block_size=block_size))
         print_row(sweep[-1])
     out = Path(args.out or Path(__file__).resolve().parent / "results" / f"cpu_attention_{args.tag}.json")

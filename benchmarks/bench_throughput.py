@@ -188,11 +188,12 @@ def one_long_sequence(profile: Profile, path: str, context: int, placement: str,
 def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
     """One long sequence on a c_budget_tokens device pool: at c_context tokens, split across both tiers (the
     workload's result), and at 1.5x the budget, where the split matters most; each also wholly on the host tier,
-    and the 1.5x one wholly on the device (with the budget it needs), for comparison."""
+    and wholly on the device (with the budget it needs), for comparison: prefill's reference."""
     path = model_dir(profile.c_model, cache)
     hbm_gbps = hbm_copy_gbps() if torch.cuda.is_available() else read_gbps  # off CUDA both parts are in host memory
     x15 = profile.c_budget_tokens * 3 // 2
     cases = [("long", profile.c_context, "auto", None), ("long", profile.c_context, "cpu", None),
+             ("long", profile.c_context, "gpu", profile.c_context),
              ("x1.5", x15, "auto", None), ("x1.5", x15, "cpu", None), ("x1.5", x15, "gpu", x15)]
     runs = {}
     for name, context, placement, budget in cases:
@@ -206,7 +207,10 @@ def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
     return {"model": profile.c_model, "context": profile.c_context, "budget_tokens": profile.c_budget_tokens,
             **split, "host_read_gbps": read_gbps, "hbm_gbps": hbm_gbps, "runs": runs,
             "split_over_host_only": {name: runs[f"{name}_auto"]["decode_tok_per_s"]
-                                     / runs[f"{name}_cpu"]["decode_tok_per_s"] for name in ("long", "x1.5")}}
+                                     / runs[f"{name}_cpu"]["decode_tok_per_s"] for name in ("long", "x1.5")},
+            "prefill_over_device_only": {f"{name}_{placement}": runs[f"{name}_{placement}"]["prefill_tok_per_s"]
+                                         / runs[f"{name}_gpu"]["prefill_tok_per_s"]
+                                         for name in ("long", "x1.5") for placement in ("auto", "cpu")}}
 
 
 def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None, b_models: str | None = None,

@@ -57,6 +57,7 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **
         "device_pool_gib": runner.num_gpu_blocks * llm.config.block_size
         * llm.model_config.kv_bytes_per_token(llm.dtype) / 2**30,
         "kv_bytes_per_token": llm.model_config.kv_bytes_per_token(llm.dtype),
+        "prefill_segment_tokens": runner.segment_tokens,  # of a host-tier or split prompt's layer-major step
     }
     llm.close()
     del llm

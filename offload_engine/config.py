@@ -104,6 +104,9 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
+    # Tokens of one layer-major prefill step of a host-tier or split prompt (engine/prefill_segment.py);
+    # None: as many as half the device memory free after start-up holds.
+    prefill_segment_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     enable_prefix_caching: bool = True
@@ -131,7 +134,7 @@ class EngineConfig:
             value = getattr(self, name)
             if value is not None and not _is_power_of_two(value):
                 raise ValueError(f"{name} must be a positive power of two (16, 32, 64, ...), got {value!r}")
-        for name in ("num_gpu_blocks", "num_cpu_blocks", "max_model_len"):
+        for name in ("num_gpu_blocks", "num_cpu_blocks", "max_model_len", "prefill_segment_tokens"):
             value = getattr(self, name)
             if value is not None and (not _is_int(value) or value < 1):
                 raise ValueError(f"{name} must be a positive int or None, got {value!r}")

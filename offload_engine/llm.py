@@ -19,11 +19,14 @@ class LLM:
                  cpu_kv_cache_gb: float | None = None, block_size: int = 16, cpu_block_size: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
-                 attention_backend: str = "auto", seed: int = 0, model: str | None = None):
+                 attention_backend: str = "auto", seed: int = 0, model: str | None = None,
+                 prefill_segment_tokens: int | None = None):
         """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing.
 
         kv_placement: "gpu", "cpu" or "auto" (engine/placement.py). kv_promotion (auto only): once the device
         pool has room that no waiting request can take, host-tier sequences move their KV up and decode there.
+        prefill_segment_tokens: how many prompt tokens of a host-tier or split sequence one layer-major prefill
+        step takes (engine/prefill_segment.py); None sizes it from the device memory left after start-up.
         """
         model = model_dir if model_dir is not None else model
         if model is None:
@@ -33,7 +36,8 @@ class LLM:
             num_gpu_blocks=num_gpu_blocks,
             num_cpu_blocks=num_cpu_blocks, cpu_kv_cache_gb=cpu_kv_cache_gb, block_size=block_size,
             cpu_block_size=cpu_block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens, gpu_memory_utilization=gpu_memory_utilization,
+            max_num_batched_tokens=max_num_batched_tokens, prefill_segment_tokens=prefill_segment_tokens,
+            gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
             attention_backend=attention_backend, seed=seed)
         self.config.validate()

@@ -55,7 +55,8 @@ class LLMEngine:
                                    cfg.cpu_block_size, cfg.enable_prefix_caching)
         self.stats = LaneStats(model_cfg.kv_bytes_per_token(dtype))
         self.scheduler = Scheduler(self.blocks, cfg.kv_placement, cfg.max_num_seqs, cfg.max_num_batched_tokens,
-                                   max_model_len, eos_token_ids, cfg.kv_promotion, self.stats)
+                                   max_model_len, eos_token_ids, cfg.kv_promotion, self.stats,
+                                   segment_tokens=self.runner.segment_tokens)
         self.host_lane = ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-lane")
         self.in_flight: tuple[list[Sequence], Future] | None = None  # the host lane's decode step
         self.promoting: list[tuple[object, list[Sequence]]] = []  # promotions whose reads run: (event, rows)

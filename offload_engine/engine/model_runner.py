@@ -9,6 +9,7 @@ from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.pinned_ring import PinnedRing
+from offload_engine.engine.prefill_segment import run_segment, segment_capacity, segment_inputs
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.layers.attention_backends import select_backend
@@ -27,6 +28,7 @@ class ModelRunner:
         self.max_model_len = max_model_len
         self.model = self.backend = self.device_pool = self.host_pool = self.executor = None
         self.num_gpu_blocks = self.num_cpu_blocks = 0
+        self.segment_tokens = 0
         self.decode_graphs: dict = {}
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
@@ -73,6 +75,9 @@ class ModelRunner:
             self._reserve_step_memory()
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
+        # Tokens of a layer-major prefill segment (engine/prefill_segment.py): only staged rows take segments.
+        self.segment_tokens = 0 if self.host_pool is None else (self.cfg.prefill_segment_tokens or segment_capacity(
+            self.model_cfg, self.dtype, self.device, self.cfg.max_num_batched_tokens, self.max_model_len))
         self.startup_seconds["total"] = time.perf_counter() - began
 
     def _reserve_step_memory(self) -> None:
@@ -335,17 +340,30 @@ class ModelRunner:
                 # Prefix reuse may hand it device blocks a promotion is still filling, and its host-tier writes
                 # may go to host blocks one still reads.
                 self._after_promotion_reads()
-            step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
-            graphs = self.decode_graphs.get(lane)
-            if not is_prefill and graphs is not None and graphs.fits(len(seqs), step.meta):
-                logits = graphs.run(step.token_ids, step.positions, step.meta)
+            if is_prefill and len(seqs) == 1 and seqs[0].num_scheduled_tokens > self.cfg.max_num_batched_tokens:
+                logits = self._prefill_segment(seqs[0])  # Scheduler._take_chunk made it a segment
             else:
-                hidden = self.model(step.token_ids, step.positions, step.meta)
-                logits = self.model.compute_logits(hidden[step.sample_rows])
-            self._host_writes += step.meta.pending_host_writes  # host-tier prefill: not waited for
-            tokens = sample(logits, self._sampling_batch(seqs), self.generators[lane]).tolist()
-            self.host_kernel_seconds[lane] = sum(step.meta.host_kernel_seconds)  # every layer's kernel is back
-            return tokens
+                logits = self._forward(seqs, is_prefill, lane)
+            return sample(logits, self._sampling_batch(seqs), self.generators[lane]).tolist()
+
+    def _forward(self, seqs: list[Sequence], is_prefill: bool, lane: str) -> torch.Tensor:
+        """The model over one step's batch -> the logits of its sampled rows."""
+        step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
+        graphs = self.decode_graphs.get(lane)
+        if not is_prefill and graphs is not None and graphs.fits(len(seqs), step.meta):
+            logits = graphs.run(step.token_ids, step.positions, step.meta)
+        else:
+            hidden = self.model(step.token_ids, step.positions, step.meta)
+            logits = self.model.compute_logits(hidden[step.sample_rows])
+        self._host_writes += step.meta.pending_host_writes  # host-tier prefill: not waited for
+        self.host_kernel_seconds[lane] = sum(step.meta.host_kernel_seconds)  # every layer's kernel is back
+        return logits
+
+    def _prefill_segment(self, seq: Sequence) -> torch.Tensor:
+        """A staged sequence's long prefill, layer by layer in chunks of max_num_batched_tokens
+        (engine/prefill_segment.py) -> the logits of its last token."""
+        segment = segment_inputs(self.inputs, seq, self.cfg.max_num_batched_tokens)
+        return self.model.compute_logits(run_segment(self.model, segment, self._host_writes))
 
     def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
         params = [s.params for s in seqs]

@@ -24,12 +24,13 @@ from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStat
 class Scheduler:
     def __init__(self, blocks: BlockManager, kv_placement: str, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], kv_promotion: bool = False,
-                 stats: LaneStats | None = None):
+                 stats: LaneStats | None = None, segment_tokens: int = 0):
         self.blocks = blocks
         self.kv_placement = kv_placement
         self.kv_promotion = kv_promotion and kv_placement == "auto"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.segment_tokens = segment_tokens  # of a layer-major prefill step (engine/prefill_segment.py); 0: none
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
@@ -74,10 +75,18 @@ class Scheduler:
             batch.append(seq)
         return batch
 
-    @staticmethod
-    def _take_chunk(seq: Sequence, budget: int) -> int:
-        seq.num_scheduled_tokens = min(seq.num_uncomputed_tokens, budget)
-        return seq.num_scheduled_tokens
+    def _take_chunk(self, seq: Sequence, budget: int) -> int:
+        """Schedules seq's next chunk within budget; returns its tokens. A sequence that attends through the
+        staging cache (host tier, or a split one past its device part) and would leave part of its prompt for
+        later takes a whole segment instead, alone in its step: a step's budget of tokens, run layer by layer
+        over as many as segment_tokens (engine/prefill_segment.py), stages its prefix once, not once per chunk."""
+        count = min(seq.num_uncomputed_tokens, budget)
+        alone = budget == self.max_num_batched_tokens
+        staged = seq.location == BlockLocation.CPU and seq.num_computed_tokens + count > seq.num_device_tokens
+        if alone and staged and count < seq.num_uncomputed_tokens:
+            count = min(seq.num_uncomputed_tokens, max(budget, self.segment_tokens))
+        seq.num_scheduled_tokens = count
+        return count
 
     def schedule_decode(self, tier: BlockLocation, hold_back: frozenset[int] = frozenset()) -> list[Sequence]:
         """One token for every running, prefilled sequence on `tier` that is not in flight or held back."""

@@ -68,7 +68,9 @@ class Attention(nn.Module):
     def _prefill(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         partials = []
         if meta.has_cpu_rows:
-            meta.pending_host_writes.append(self._submit_host_write(k, v, meta.staging))
+            staging = meta.staging
+            meta.pending_host_writes.append(
+                self._submit_host_write(k, v, staging.host_token_indices, staging.host_token_slots))
         if meta.has_gpu_rows:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             partials.append(self.backend.paged_prefill_attention(
@@ -85,16 +87,18 @@ class Attention(nn.Module):
         # Each token has one non-empty partial here; the merge puts both tiers back into batch order.
         return self.backend.merge_attn_states(*partials[0], *partials[1])[0]
 
-    def _submit_host_write(self, k, v, staging: PrefixStaging):
-        if staging.host_token_indices is not None:
-            k, v = k[staging.host_token_indices], v[staging.host_token_indices]
+    def _submit_host_write(self, k, v, token_indices: torch.Tensor | None, token_slots: torch.Tensor):
+        """Queues the host-pool write of the tokens at token_indices (None: all of them) into host slots
+        token_slots, on the executor, behind their copy to the host; returns its future."""
+        if token_indices is not None:
+            k, v = k[token_indices], v[token_indices]
         (k_host, v_host), region, arrived = self._copies_to_ring(k, v)
         from cpu_attention import store_kvcache
 
         def run():
             if arrived is not None:
                 arrived.synchronize()
-            store_kvcache(k_host, v_host, self.k_cache_cpu, self.v_cache_cpu, staging.host_token_slots)
+            store_kvcache(k_host, v_host, self.k_cache_cpu, self.v_cache_cpu, token_slots)
 
         write = self.executor.submit(run)
         if self.ring is not None:
@@ -128,30 +132,72 @@ class Attention(nn.Module):
     def _stage_prefix(self, staging: PrefixStaging, device: torch.device):
         """Copies the CPU-tier prefix blocks into a token-major device cache, transposing on the device, and the
         device parts of split rows after them."""
-        _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
-        shape = (staging.num_blocks, block_size, num_kv_heads, head_dim)
-        staged = []
         num_prefix = staging.source_blocks.numel()
-        device_source = staging.device_source_blocks
+        staged = []
         for host_pool, device_pool in ((self.k_cache_cpu, self.k_cache), (self.v_cache_cpu, self.v_cache)):
-            cache = torch.empty(shape, dtype=host_pool.dtype, device=device)
-            if num_prefix:
-                from cpu_attention.gather import gather_blocks
-
-                gathered, region = self._pinned_empty((num_prefix, num_kv_heads, block_size, head_dim), host_pool.dtype)
-                # On the executor: the gather must follow this step's queued host writes, and numba's pool
-                # (not a torch CPU op) keeps a second OpenMP team off the host's cores (cpu_attention/gather.py).
-                self.executor.submit(gather_blocks, host_pool, staging.source_blocks, gathered).result()
-                cache[:num_prefix].copy_(gathered.to(device, non_blocking=True).transpose(1, 2))
-                if self.ring is not None:
-                    self.ring.busy_until(region, _record_event(cache))
-            if device_source.numel():
-                # Consecutive device blocks of one part are consecutive tokens: a host block's worth per staging block.
-                parts = device_pool.index_select(0, device_source)
-                cache[num_prefix : num_prefix + parts.shape[0] * parts.shape[1] // block_size].copy_(
-                    parts.view(-1, block_size, num_kv_heads, head_dim))
+            cache = self._staging_cache(staging.num_blocks, device)
+            self._gather_host_blocks(host_pool, staging.source_blocks, cache[:num_prefix])
+            self._gather_device_parts(device_pool, staging.device_source_blocks, cache[num_prefix:])
             staged.append(cache)
         return staged
+
+    def stage_segment(self, segment) -> list[torch.Tensor]:
+        """A layer's staging cache for a layer-major prefill segment (engine/prefill_segment.py), in token order:
+        staging block j holds the sequence's tokens [j * cpu_block_size, (j + 1) * cpu_block_size). The device
+        part of a split sequence and the host prefix before the segment are staged once; the segment's chunks
+        write their own K/V into it as they go (attend_segment_chunk)."""
+        staged = []
+        device = self.k_cache.device
+        num_device = segment.num_device_part_blocks
+        num_prefix = segment.host_source_blocks.numel()
+        for host_pool, device_pool in ((self.k_cache_cpu, self.k_cache), (self.v_cache_cpu, self.v_cache)):
+            cache = self._staging_cache(segment.num_staging_blocks, device)
+            self._gather_device_parts(device_pool, segment.device_source_blocks, cache[:num_device])
+            self._gather_host_blocks(host_pool, segment.host_source_blocks, cache[num_device:num_device + num_prefix])
+            staged.append(cache)
+        return staged
+
+    def attend_segment_chunk(self, q, k, v, staged: list[torch.Tensor], chunk, pending_writes: list):
+        """One chunk of a layer-major segment: its K/V go to their own tier (device slots, or host slots through
+        the ring and the executor) and into the layer's staging cache, where its queries attend over the prefix
+        and the segment's tokens up to their own."""
+        if chunk.has_device_tokens:
+            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, chunk.device_slots)
+        if chunk.host_token_slots.numel():
+            pending_writes.append(self._submit_host_write(k, v, chunk.host_token_indices, chunk.host_token_slots))
+        self.backend.store_kvcache(k, v, *staged, chunk.staging_slots)
+        out, _ = self.backend.paged_prefill_attention(q, *staged, chunk.block_table, chunk.cu_seqlens_q,
+                                                      chunk.context_lens, self.scale, chunk.num_tokens)
+        return out
+
+    def _staging_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
+        return torch.empty((num_blocks, block_size, num_kv_heads, head_dim), dtype=self.k_cache_cpu.dtype,
+                           device=device)
+
+    def _gather_host_blocks(self, host_pool: torch.Tensor, source_blocks: torch.Tensor, into: torch.Tensor) -> None:
+        """into[i] = host_pool[source_blocks[i]], token-major (transposed on the device)."""
+        if not source_blocks.numel():
+            return
+        from cpu_attention.gather import gather_blocks
+
+        gathered, region = self._pinned_empty((source_blocks.numel(), *host_pool.shape[1:]), host_pool.dtype)
+        # On the executor: the gather must follow this step's queued host writes, and numba's pool (not a torch
+        # CPU op) keeps a second OpenMP team off the host's cores (cpu_attention/gather.py).
+        self.executor.submit(gather_blocks, host_pool, source_blocks, gathered).result()
+        into.copy_(gathered.to(into.device, non_blocking=True).transpose(1, 2))
+        if self.ring is not None:
+            self.ring.busy_until(region, _record_event(into))
+
+    @staticmethod
+    def _gather_device_parts(device_pool: torch.Tensor, device_source: torch.Tensor, into: torch.Tensor) -> None:
+        """Split rows' device parts into staging blocks: consecutive device blocks of one part are consecutive
+        tokens, a host block's worth per staging block."""
+        if not device_source.numel():
+            return
+        parts = device_pool.index_select(0, device_source)
+        block_size = into.shape[1]
+        into[: parts.shape[0] * parts.shape[1] // block_size].copy_(parts.view(-1, *into.shape[1:]))
 
     def compile_staged_prefill(self) -> None:
         """Runs the device kernels of a host-tier prefill once, on two tokens, so that their variants for the
