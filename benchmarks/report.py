@@ -141,13 +141,17 @@ def headline(result: dict) -> str:
                          f"{c['host_read_gbps']:.0f} GB/s, HBM {c['hbm_gbps']:.0f} GB/s):")
             lines.append("")
             lines.append("  | context | KV placement | device + host tokens | decode tok/s | bound | of bound | "
-                         "prefill tok/s |")
-            lines.append("  |---|---|---|---|---|---|---|")
+                         "prefill tok/s | prefill / device only |")
+            lines.append("  |---|---|---|---|---|---|---|---|")
+            device_only = {run["context"]: run["prefill_tok_per_s"] for run in c["runs"].values()
+                           if run["placement"] == "gpu"}
             for run in c["runs"].values():
                 where = {"auto": "split", "cpu": "host only", "gpu": "device only"}[run["placement"]]
+                reference = device_only.get(run["context"])
+                of_device = f"{run['prefill_tok_per_s'] / reference:.2f}" if reference else "-"
                 lines.append(f"  | {run['context']:,} | {where} | {run['kv_device_tokens']:,} + "
                              f"{run['kv_host_tokens']:,} | {run['decode_tok_per_s']:.2f} | {run['bound_tok_per_s']:.2f} | "
-                             f"**{run['fraction_of_bound']:.2f}** | {run['prefill_tok_per_s']:.0f} |")
+                             f"**{run['fraction_of_bound']:.2f}** | {run['prefill_tok_per_s']:.0f} | {of_device} |")
     return "\n".join(lines)
 
 
