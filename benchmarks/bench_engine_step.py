@@ -1,0 +1,195 @@
+"""A decode step of the engine against its own CUDA graph and the HBM bound, and a mixed workload's throughput
+against its bound and transformers' continuous batching, all in one run (GPU host; issue 12's measure).
+
+    PYTHONPATH=. python benchmarks/bench_engine_step.py [--model qwen3-0.6b] [--out-dir DIR]
+
+steps: one engine (kv_placement="gpu") takes, for each context length, batches of sequences of that length;
+once they are prefilled, `--steps` decode steps are timed. wall_ms is the engine's step as a user's loop sees it
+(schedule, inputs, graph, sampling, postprocess); gpu_ms is the device lane's graph replay alone, between CUDA
+events around the replay; hbm_bound_ms is what the step must read (every weight once, and the batch's KV) over
+the HBM copy rate measured in this run.
+throughput: 256 prompts of lengths uniform in [100, 1024], 512 greedy tokens each (ignore_eos): the engine's
+output tok/s, the bound (every decode step at the HBM bound, prefill free: a bound generous to the engine), and
+transformers' `generate_batch` (continuous batching, sdpa) on the same prompts. Also nano-vllm's protocol
+(workload a of bench_throughput). Results: benchmarks/results/<device>/engine_step.json.
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import time
+
+import torch
+
+from benchmarks.bench_throughput import RESULTS, device_slug, hbm_copy_gbps, model_dir, workload_a
+from benchmarks.engine_run import random_prompts
+from benchmarks.workloads import PROFILES
+from offload_engine import LLM, SamplingParams
+
+BATCHES = (1, 4, 16, 64, 128, 256)
+CONTEXTS = (512, 2048, 8192)
+MAX_CASE_TOKENS = 600_000  # batch x context of one case; more would not fit the 0.6B shape's pool on an H100
+
+
+def weight_bytes(llm) -> int:
+    """Bytes one decode step reads of the weights: every parameter once (a tied head counts once)."""
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in llm.engine.runner.model.parameters()}
+    return sum(params.values())
+
+
+class ReplayTimer:
+    """Wraps the device lane's graph runner: CUDA events around each replay, read once the step is back."""
+
+    def __init__(self, graphs):
+        self.graphs, self.run, self.pending = graphs, graphs.run, []
+        graphs.run = self._timed
+
+    def _timed(self, *args, **kwargs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        logits = self.run(*args, **kwargs)
+        end.record()
+        self.pending.append((start, end))
+        return logits
+
+    def take_ms(self) -> list[float]:
+        times = [start.elapsed_time(end) for start, end in self.pending]
+        self.pending = []
+        return times
+
+    def restore(self) -> None:
+        self.graphs.run = self.run
+
+
+def step_case(llm, timer: ReplayTimer, batch: int, context: int, steps: int, kv_bytes: int, weights: int,
+              hbm_gbps: float, seed: int) -> dict:
+    engine = llm.engine
+    prompts = random_prompts([context] * batch, llm.model_config.vocab_size - 1, seed=seed)
+    for prompt in prompts:
+        engine.add(engine.make_sequence(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
+    while engine.step().is_prefill:
+        pass
+    for _ in range(3):  # the first decode steps after a prefill, and graph buckets' first replays
+        engine.step()
+    torch.cuda.synchronize()
+    timer.take_ms()
+    walls = []
+    for _ in range(steps):
+        began = time.perf_counter()
+        engine.step()
+        walls.append((time.perf_counter() - began) * 1e3)
+    torch.cuda.synchronize()
+    gpu = timer.take_ms()
+    engine.abort()  # drops the rest of the case's requests
+    read = weights + batch * (context + 4 + steps // 2) * kv_bytes
+    if len(gpu) != steps:
+        raise RuntimeError(f"batch {batch}: {len(gpu)} of {steps} decode steps replayed the device lane's graph")
+    wall_ms, gpu_ms, bound_ms = statistics.median(walls), statistics.median(gpu), read / (hbm_gbps * 1e9) * 1e3
+    return {"batch": batch, "context": context, "wall_ms": wall_ms, "gpu_ms": gpu_ms, "wall_over_gpu": wall_ms / gpu_ms,
+            "hbm_bound_ms": bound_ms, "gpu_over_bound": gpu_ms / bound_ms}
+
+
+def throughput_bound(prompt_lens: list[int], output_len: int, weights: int, kv_bytes: int, hbm_gbps: float) -> float:
+    """Output tok/s if every decode step of the whole batch ran at the HBM bound (prefill free)."""
+    seconds = sum(weights + sum(p + s for p in prompt_lens) * kv_bytes for s in range(output_len)) / (hbm_gbps * 1e9)
+    return len(prompt_lens) * output_len / seconds
+
+
+def hf_continuous_batching(path: str, prompts: list[list[int]], output_len: int) -> dict:
+    """transformers' generate_batch (continuous batching, paged sdpa) on the same prompts, greedy."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    model = None
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = model.to("cuda").eval()
+        config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)
+        with torch.inference_mode():
+            model.generate_batch(inputs=prompts[:4], generation_config=config)  # warm-up
+            start = time.perf_counter()
+            outputs = model.generate_batch(inputs=prompts, generation_config=config)
+            seconds = time.perf_counter() - start
+        generated = sum(len(o.generated_tokens) for o in outputs.values())
+        return {"seconds": seconds, "output_tokens": generated, "output_tok_per_s": generated / seconds}
+    except Exception as error:  # an API this transformers lacks, out of memory: recorded, not skipped silently
+        return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    finally:
+        model = None
+        torch.cuda.empty_cache()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--model", default="qwen3-0.6b")
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--batches", default=",".join(map(str, BATCHES)))
+    parser.add_argument("--contexts", default=",".join(map(str, CONTEXTS)))
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--output-len", type=int, default=512)
+    parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--skip-a", action="store_true")
+    parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
+    parser.add_argument("--out-dir", default=None)
+    args = parser.parse_args()
+    path = model_dir(args.model, args.model_cache)
+    hbm_gbps = hbm_copy_gbps()
+    batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
+    result = {"device": device_slug(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
+              "model": args.model, "hbm_gbps": hbm_gbps, "steps": []}
+
+    llm = LLM(path, kv_placement="gpu", max_model_len=max(contexts) + args.steps + 16, max_num_seqs=max(batches))
+    kv_bytes, weights = llm.model_config.kv_bytes_per_token(llm.dtype), weight_bytes(llm)
+    result.update(weight_bytes=weights, kv_bytes_per_token=kv_bytes)
+    timer = ReplayTimer(llm.engine.runner.decode_graphs["device"])
+    for context in contexts:
+        for batch in batches:
+            if batch * context > MAX_CASE_TOKENS:
+                continue
+            row = step_case(llm, timer, batch, context, args.steps, kv_bytes, weights, hbm_gbps, seed=batch + context)
+            result["steps"].append(row)
+            print(f"[step] batch {batch:>3} context {context:>5}: wall {row['wall_ms']:.2f} ms, graph {row['gpu_ms']:.2f} "
+                  f"ms ({row['wall_over_gpu']:.2f}x), HBM bound {row['hbm_bound_ms']:.2f} ms "
+                  f"(graph {row['gpu_over_bound']:.2f}x it)", flush=True)
+    timer.restore()
+    llm.close()
+    del llm
+    torch.cuda.empty_cache()
+
+    rng = random.Random(0)
+    prompt_lens = [rng.randint(100, 1024) for _ in range(args.num_prompts)]
+    prompts = random_prompts(prompt_lens, 10000, seed=12)
+    with LLM(path, kv_placement="gpu", max_model_len=1024 + args.output_len + 16,
+             max_num_seqs=args.num_prompts) as llm:
+        llm.generate(random_prompts([64, 512], 10000, seed=13), SamplingParams(max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True),
+                               use_tqdm=False)
+        seconds = time.perf_counter() - start
+    tok_s = sum(len(o.token_ids) for o in outputs) / seconds
+    bound = throughput_bound(prompt_lens, args.output_len, weights, kv_bytes, hbm_gbps)
+    result["throughput"] = {"num_prompts": args.num_prompts, "prompt_range": [100, 1024],
+                            "output_len": args.output_len, "seconds": seconds, "tok_s": tok_s,
+                            "bound_tok_s": bound, "of_bound": tok_s / bound}
+    print(f"[throughput] {tok_s:,.0f} output tok/s = {tok_s / bound:.2f} of the HBM bound ({bound:,.0f})", flush=True)
+    if not args.skip_hf:
+        hf = hf_continuous_batching(path, prompts, args.output_len)
+        result["throughput"]["hf_cb"] = hf
+        result["throughput"]["hf_cb_tok_s"] = hf.get("output_tok_per_s")
+        print(f"[throughput] transformers generate_batch: {hf}", flush=True)
+    if not args.skip_a:
+        profile = PROFILES["full"]
+        result["a"] = workload_a(profile, args.model_cache)
+        print(f"[a] nano-vllm's protocol: {result['a']['output_tok_per_s']:,.0f} output tok/s", flush=True)
+
+    out_dir = args.out_dir or os.path.join(RESULTS, result["device"])
+    os.makedirs(out_dir, exist_ok=True)
+    with open(os.path.join(out_dir, "engine_step.json"), "w") as f:
+        json.dump(result, f, indent=2)
+    print(f"wrote {out_dir}/engine_step.json")
+
+
+if __name__ == "__main__":
+    main()
