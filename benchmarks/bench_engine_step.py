@@ -103,15 +103,18 @@ def hf_continuous_batching(path: str, prompts: list[list[int]], output_len: int)
     model = None
     try:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16, attn_implementation="sdpa")
-        model = model.to("cuda").eval()
+        model = model.to("cuda").eval().requires_grad_(False)
         config = GenerationConfig(max_new_tokens=output_len, min_new_tokens=output_len, do_sample=False,
                                   eos_token_id=None, pad_token_id=0)
-        with torch.inference_mode():
-            model.generate_batch(inputs=prompts[:4], generation_config=config)  # warm-up
-            start = time.perf_counter()
-            outputs = model.generate_batch(inputs=prompts, generation_config=config)
-            seconds = time.perf_counter() - start
+        # Not under inference_mode: its generation loop runs on a thread of its own, and updates in place
+        # tensors that inference_mode would have made read-only there (every request failed).
+        model.generate_batch(inputs=prompts[:4], generation_config=config)  # warm-up
+        start = time.perf_counter()
+        outputs = model.generate_batch(inputs=prompts, generation_config=config)
+        seconds = time.perf_counter() - start
         generated = sum(len(o.generated_tokens) for o in outputs.values())
+        if generated < len(prompts) * output_len:
+            return {"error": f"generate_batch made {generated} of {len(prompts) * output_len} tokens"}
         return {"seconds": seconds, "output_tokens": generated, "output_tok_per_s": generated / seconds}
     except Exception as error:  # an API this transformers lacks, out of memory: recorded, not skipped silently
         return {"error": f"{type(error).__name__}: {str(error)[:300]}"}
