@@ -197,7 +197,7 @@ def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
     ceiling of the bounds is the best of the suite's and one measured right before each run: on the shared GPU
     hosts one measurement read 71 to 129 GB/s (H100 host, 2026-11-23), and a ceiling is what the memory did."""
     path = model_dir(profile.c_model, cache)
-    hbm_gbps = hbm_copy_gbps() if torch.cuda.is_available() else read_gbps  # off CUDA both parts are in host memory
+    hbm_gbps = hbm_copy_gbps() if torch.cuda.is_available() else None
     x15 = profile.c_budget_tokens * 3 // 2
     cases = [("long", profile.c_context, "auto", None), ("long", profile.c_context, "cpu", None),
              ("long", profile.c_context, "gpu", profile.c_context),
@@ -205,8 +205,7 @@ def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
     runs = {f"{name}_{placement}": one_long_sequence(profile, path, context, placement, budget)
             for name, context, placement, budget in cases}
     read_gbps = max([read_gbps] + [run["host_read_gbps_before"] for run in runs.values()])
-    if not torch.cuda.is_available():
-        hbm_gbps = read_gbps
+    hbm_gbps = hbm_gbps or read_gbps  # off CUDA both parts are in host memory
     runs = {key: with_bound(run, profile.c_output, read_gbps, hbm_gbps) for key, run in runs.items()}
     for run in runs.values():
         print(f"[c] {run['context']:,} tokens {run['placement']}: device {run['kv_device_tokens']:,} + host "

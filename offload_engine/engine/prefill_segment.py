@@ -59,10 +59,10 @@ class SegmentInputs:
 
 def segment_inputs(builder, seq: Sequence, chunk_tokens: int) -> SegmentInputs:
     """The maps of seq's scheduled tokens as one segment, in chunks of at most chunk_tokens. `builder` is the
-    runner's StepInputBuilder (its to_device and per-row maps)."""
+    runner's StepInputBuilder (its to_device and prefill_row)."""
     start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
     block_size = builder.block_sizes[BlockLocation.CPU]
-    row = builder._prefill_row(seq, start, end)
+    row = builder.prefill_row(seq, start, end)
     device_slots, host_slots = row.slots[BlockLocation.GPU], row.slots[BlockLocation.CPU]
     num_host_prefix = -(-max(0, start - seq.num_device_tokens) // block_size)
     num_staging_blocks = -(-end // block_size)

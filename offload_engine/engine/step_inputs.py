@@ -49,7 +49,7 @@ class StepInputBuilder:
             return host
         return host.pin_memory().to(self.device, non_blocking=True)
 
-    def _prefill_row(self, seq: Sequence, start: int, end: int) -> _RowMaps:
+    def prefill_row(self, seq: Sequence, start: int, end: int) -> _RowMaps:
         """The maps of a prefill chunk, tokens [start, end) of seq. A whole row's tokens and context are on its
         tier. A split row writes tokens before num_device_tokens into its device blocks and the rest into its host
         blocks, and is one more row of the host tier (its device part staged with its host prefix), unless the
@@ -79,7 +79,7 @@ class StepInputBuilder:
             token_ids += seq.token_ids[start:end]
             positions += range(start, end)
             cu_seqlens.append(cu_seqlens[-1] + end - start)
-            rows.append(self._prefill_row(seq, start, end))
+            rows.append(self.prefill_row(seq, start, end))
         meta = self._prefill_maps(rows)
         meta.cu_seqlens_q = self.to_device(cu_seqlens, torch.int32)
         meta.max_seqlen_q = max(s.num_scheduled_tokens for s in seqs)
