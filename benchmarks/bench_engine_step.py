@@ -5,8 +5,9 @@ against its bound and transformers' continuous batching, all in one run (GPU hos
 
 steps: one engine (kv_placement="gpu") takes, for each context length, batches of sequences of that length;
 once they are prefilled, `--steps` decode steps are timed. wall_ms is the engine's step as a user's loop sees it
-(schedule, inputs, graph, sampling, postprocess); gpu_ms is the device lane's graph replay alone, between CUDA
-events around the replay; hbm_bound_ms is what the step must read (every weight once, and the batch's KV) over
+(schedule, inputs, graph, sampling, postprocess), with async scheduling as configured by default (on), and
+wall_ms_sync the same steps with it off, in the same run; gpu_ms is the device lane's graph replay alone, between
+CUDA events around the replay; hbm_bound_ms is what the step must read (every weight once, and the batch's KV) over
 the HBM copy rate measured in this run.
 throughput: 256 prompts of lengths uniform in [100, 1024], 512 greedy tokens each (ignore_eos): the engine's
 output tok/s, the bound (every decode step at the HBM bound, prefill free: a bound generous to the engine), and
@@ -39,11 +40,11 @@ def weight_bytes(llm) -> int:
 
 
 class ReplayTimer:
-    """Wraps the device lane's graph runner: CUDA events around each replay, read once the step is back."""
+    """Wraps the device lane's whole-step graphs: CUDA events around each replay, read once the step is back."""
 
     def __init__(self, graphs):
-        self.graphs, self.run, self.pending = graphs, graphs.run, []
-        graphs.run = self._timed
+        self.graphs, self.run, self.pending = graphs, graphs.replay, []
+        graphs.replay = self._timed
 
     def _timed(self, *args, **kwargs):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -59,7 +60,7 @@ class ReplayTimer:
         return times
 
     def restore(self) -> None:
-        self.graphs.run = self.run
+        self.graphs.replay = self.run
 
 
 def step_case(llm, timer: ReplayTimer, batch: int, context: int, steps: int, kv_bytes: int, weights: int,
@@ -67,26 +68,32 @@ def step_case(llm, timer: ReplayTimer, batch: int, context: int, steps: int, kv_
     engine = llm.engine
     prompts = random_prompts([context] * batch, llm.model_config.vocab_size - 1, seed=seed)
     for prompt in prompts:
-        engine.add(engine.make_sequence(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
+        engine.add(engine.make_sequence(prompt, SamplingParams(max_tokens=2 * steps + 16, ignore_eos=True)))
     while engine.step().is_prefill:
         pass
-    for _ in range(3):  # the first decode steps after a prefill, and graph buckets' first replays
-        engine.step()
-    torch.cuda.synchronize()
-    timer.take_ms()
-    walls = []
-    for _ in range(steps):
-        began = time.perf_counter()
-        engine.step()
-        walls.append((time.perf_counter() - began) * 1e3)
-    torch.cuda.synchronize()
-    gpu = timer.take_ms()
+    walls = {}
+    for async_scheduling in (True, False):  # the engine reads the setting every step
+        engine.cfg.async_scheduling = async_scheduling
+        for _ in range(3):  # the first decode steps after a prefill, and graph buckets' first replays
+            engine.step()
+        torch.cuda.synchronize()
+        timer.take_ms()
+        walls[async_scheduling] = []
+        for _ in range(steps):
+            began = time.perf_counter()
+            engine.step()
+            walls[async_scheduling].append((time.perf_counter() - began) * 1e3)
+        torch.cuda.synchronize()
+        gpu = timer.take_ms() if async_scheduling else gpu
+        if async_scheduling and len(gpu) != steps:
+            raise RuntimeError(f"batch {batch}: {len(gpu)} of {steps} decode steps replayed the device lane's graph")
+    engine.cfg.async_scheduling = True
     engine.abort()  # drops the rest of the case's requests
-    read = weights + batch * (context + 4 + steps // 2) * kv_bytes
-    if len(gpu) != steps:
-        raise RuntimeError(f"batch {batch}: {len(gpu)} of {steps} decode steps replayed the device lane's graph")
-    wall_ms, gpu_ms, bound_ms = statistics.median(walls), statistics.median(gpu), read / (hbm_gbps * 1e9) * 1e3
+    read = weights + batch * (context + 4 + steps) * kv_bytes
+    wall_ms, gpu_ms, bound_ms = statistics.median(walls[True]), statistics.median(gpu), read / (hbm_gbps * 1e9) * 1e3
+    sync_ms = statistics.median(walls[False])
     return {"batch": batch, "context": context, "wall_ms": wall_ms, "gpu_ms": gpu_ms, "wall_over_gpu": wall_ms / gpu_ms,
+            "wall_ms_sync": sync_ms, "sync_wall_over_gpu": sync_ms / gpu_ms,
             "hbm_bound_ms": bound_ms, "gpu_over_bound": gpu_ms / bound_ms}
 
 
@@ -142,7 +149,7 @@ def main() -> None:
     result = {"device": device_slug(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "model": args.model, "hbm_gbps": hbm_gbps, "steps": []}
 
-    llm = LLM(path, kv_placement="gpu", max_model_len=max(contexts) + args.steps + 16, max_num_seqs=max(batches))
+    llm = LLM(path, kv_placement="gpu", max_model_len=max(contexts) + 2 * args.steps + 32, max_num_seqs=max(batches))
     kv_bytes, weights = llm.model_config.kv_bytes_per_token(llm.dtype), weight_bytes(llm)
     result.update(weight_bytes=weights, kv_bytes_per_token=kv_bytes)
     timer = ReplayTimer(llm.engine.runner.decode_graphs["device"])
@@ -153,7 +160,7 @@ def main() -> None:
             row = step_case(llm, timer, batch, context, args.steps, kv_bytes, weights, hbm_gbps, seed=batch + context)
             result["steps"].append(row)
             print(f"[step] batch {batch:>3} context {context:>5}: wall {row['wall_ms']:.2f} ms, graph {row['gpu_ms']:.2f} "
-                  f"ms ({row['wall_over_gpu']:.2f}x), HBM bound {row['hbm_bound_ms']:.2f} ms "
+                  f"ms ({row['wall_over_gpu']:.2f}x; async off {row['sync_wall_over_gpu']:.2f}x), HBM bound {row['hbm_bound_ms']:.2f} ms "
                   f"(graph {row['gpu_over_bound']:.2f}x it)", flush=True)
     timer.restore()
     llm.close()
@@ -167,16 +174,22 @@ def main() -> None:
              max_num_seqs=args.num_prompts) as llm:
         llm.generate(random_prompts([64, 512], 10000, seed=13), SamplingParams(max_tokens=8, ignore_eos=True),
                      use_tqdm=False)  # warm-up
-        start = time.perf_counter()
-        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len, ignore_eos=True),
-                               use_tqdm=False)
-        seconds = time.perf_counter() - start
-    tok_s = sum(len(o.token_ids) for o in outputs) / seconds
+        rates = {}
+        for async_scheduling in (False, True):
+            llm.engine.cfg.async_scheduling = async_scheduling
+            llm.engine.blocks.reset()  # no prefix hits from the run before
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len,
+                                                           ignore_eos=True), use_tqdm=False)
+            seconds = time.perf_counter() - start
+            rates[async_scheduling] = (sum(len(o.token_ids) for o in outputs) / seconds, seconds)
+    (tok_s, seconds), sync_tok_s = rates[True], rates[False][0]
     bound = throughput_bound(prompt_lens, args.output_len, weights, kv_bytes, hbm_gbps)
     result["throughput"] = {"num_prompts": args.num_prompts, "prompt_range": [100, 1024],
                             "output_len": args.output_len, "seconds": seconds, "tok_s": tok_s,
-                            "bound_tok_s": bound, "of_bound": tok_s / bound}
-    print(f"[throughput] {tok_s:,.0f} output tok/s = {tok_s / bound:.2f} of the HBM bound ({bound:,.0f})", flush=True)
+                            "bound_tok_s": bound, "of_bound": tok_s / bound, "tok_s_async_off": sync_tok_s}
+    print(f"[throughput] {tok_s:,.0f} output tok/s = {tok_s / bound:.2f} of the HBM bound ({bound:,.0f}); "
+          f"async scheduling off: {sync_tok_s:,.0f}", flush=True)
     if not args.skip_hf:
         hf = hf_continuous_batching(path, prompts, args.output_len)
         result["throughput"]["hf_cb"] = hf

@@ -109,6 +109,8 @@ class EngineConfig:
     prefill_segment_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # The device lane queues its next decode step before reading this one's tokens (engine/llm_engine.py).
+    async_scheduling: bool = True
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
@@ -124,8 +126,9 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_placement not in KV_PLACEMENTS:
             raise ValueError(f"kv_placement must be one of {KV_PLACEMENTS}, got {self.kv_placement!r}")
-        if not isinstance(self.kv_promotion, bool):
-            raise ValueError(f"kv_promotion must be True or False, got {self.kv_promotion!r}")
+        for name in ("kv_promotion", "async_scheduling", "enforce_eager", "enable_prefix_caching"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
             raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
         if self.cpu_block_size is None:

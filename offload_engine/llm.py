@@ -20,7 +20,7 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", seed: int = 0, model: str | None = None,
-                 prefill_segment_tokens: int | None = None):
+                 prefill_segment_tokens: int | None = None, async_scheduling: bool = True):
         """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing.
 
         kv_placement: "gpu", "cpu" or "auto" (engine/placement.py). kv_promotion (auto only): once the device
@@ -38,7 +38,7 @@ class LLM:
             cpu_block_size=cpu_block_size, max_model_len=max_model_len, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, prefill_segment_tokens=prefill_segment_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
-            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             attention_backend=attention_backend, seed=seed)
         self.config.validate()
         if not os.path.isdir(model):

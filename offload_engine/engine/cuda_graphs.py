@@ -9,8 +9,9 @@ Attention stays outside the graphs because its host-tier half runs numba on a ho
 the same shapes, replayed for a few microseconds each.
 
 When no row of the step is on the host tier, attention needs no host work, so an instance made with
-`max_blocks_per_seq` captures whole steps, attention included (its maps live in static buffers sized for
-max_model_len). The engine keeps one instance for the device lane (whole steps where the attention backend
+`static_inputs` captures whole steps, attention included: it reads its token ids, positions and maps from those
+device tensors (the persistent input batch's, engine/input_batch.py, which the step's inputs are copied into),
+sized for max_num_seqs rows of max_model_len. The engine keeps one instance for the device lane (whole steps where the attention backend
 allows, piecewise for the torch backend); the host lane has whole-step graphs of its own whose attention
 the host kernel does between gates (engine/host_step_graphs.py). Each lane's graphs have their own static
 inputs and memory pool, so the two lanes can be in flight at once, and each captures on a CUDA stream of
@@ -34,7 +35,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, max_num_seqs: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, max_blocks_per_seq: int | None, capture_stream: torch.cuda.Stream):
+                 device: torch.device, capture_stream: torch.cuda.Stream, static_inputs: tuple | None = None):
         self.model = model
         self.num_layers = len(model.model.layers)
         self.buckets = batch_buckets(max_num_seqs)
@@ -48,12 +49,11 @@ class DecodeGraphs:
         self.outputs: dict[int, list] = {}
         self.whole: dict[int, tuple] = {}
         self.device_maps = None
-        if max_blocks_per_seq is not None:
+        if static_inputs is not None:
+            self.token_ids, self.positions, slot_mapping, context_lens, block_tables = static_inputs
             self.device_maps = AttentionMetadata(
-                is_prefill=False, has_gpu_rows=True, has_cpu_rows=False,
-                slot_mapping=torch.full((largest,), -1, dtype=torch.int64, device=device),
-                context_lens=torch.zeros(largest, dtype=torch.int32, device=device),
-                block_tables=torch.full((largest, max_blocks_per_seq), -1, dtype=torch.int32, device=device),
+                is_prefill=False, has_gpu_rows=True, has_cpu_rows=False, slot_mapping=slot_mapping,
+                context_lens=context_lens, block_tables=block_tables,
                 slot_mapping_cpu=torch.empty(0), context_lens_cpu=torch.empty(0), block_tables_cpu=torch.empty(0))
         for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
             if self.device_maps is None:
@@ -107,9 +107,23 @@ class DecodeGraphs:
             graph.reset()
         self.graphs, self.outputs, self.whole, self.pool = {}, {}, {}, None
 
+    @property
+    def whole(self) -> bool:
+        return self.device_maps is not None
+
+    def bucket(self, batch: int) -> int:
+        """The graph size a batch runs in (the smallest bucket that holds it)."""
+        return next(b for b in self.buckets if b >= batch)
+
     def fits(self, batch: int, meta) -> bool:
-        """Whole-step graphs serve device-tier batches only; piecewise graphs serve any batch."""
-        return batch <= self.buckets[-1] and (self.device_maps is None or not meta.has_cpu_rows)
+        """Piecewise graphs serve any batch up to the largest bucket (whole ones: replay)."""
+        return batch <= self.buckets[-1] and self.device_maps is None
+
+    def replay(self, size: int, batch: int) -> torch.Tensor:
+        """A whole step whose inputs are already in the static tensors, rows past `batch` masked: logits [batch]."""
+        graph, logits = self.whole[size]
+        graph.replay()
+        return logits[:batch]
 
     @torch.inference_mode()
     def run(self, token_ids: torch.Tensor, positions: torch.Tensor, meta) -> torch.Tensor:
@@ -118,8 +132,6 @@ class DecodeGraphs:
         size = next(b for b in self.buckets if b >= batch)
         self.token_ids[:batch].copy_(token_ids)
         self.positions[:batch].copy_(positions)
-        if self.device_maps is not None:
-            return self._run_whole(size, batch, meta)
         graphs, outputs = self.graphs[size], self.outputs[size]
         for layer in range(self.num_layers):
             graphs[layer].replay()
@@ -127,14 +139,3 @@ class DecodeGraphs:
             self.attn_out[:batch].copy_(self.model.model.attend(layer, q[:batch], k[:batch], v[:batch], meta))
         graphs[-1].replay()
         return outputs[-1][:batch]
-
-    def _run_whole(self, size: int, batch: int, meta) -> torch.Tensor:
-        maps = self.device_maps
-        maps.slot_mapping.fill_(-1)
-        maps.slot_mapping[:batch].copy_(meta.slot_mapping)
-        maps.context_lens.zero_()
-        maps.context_lens[:batch].copy_(meta.context_lens)
-        maps.block_tables[:batch, : meta.block_tables.shape[1]].copy_(meta.block_tables)
-        graph, logits = self.whole[size]
-        graph.replay()
-        return logits[:batch]

@@ -18,6 +18,13 @@ copy runs beside the device lane's steps, a group of sequences at a time, and ea
 until its copy has landed (ModelRunner.promote). Both
 lanes' step times feed LaneStats, which placement's cost checks predict from: whether a waiting request joins the
 host lane, and whether the host lane steps at all while the device lane has rows (placement.host_step_pays).
+
+Async scheduling (on by default, `async_scheduling=False` turns it off): a device-lane decode step returns as soon
+as it is queued (ModelRunner.run gives DeferredTokens), and the engine reads its tokens only after it has
+scheduled and queued the next one, which takes them on the device. So the host's work for step N+1 (scheduling,
+inputs, launch) runs while the GPU computes step N, and the GPU never waits for Python between decode steps. A
+row that finished at step N has computed one more token in step N+1, which is dropped. A prefill step reads the
+step in flight first.
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -62,6 +69,8 @@ class LLMEngine:
         self.promoting: list[tuple[object, list[Sequence]]] = []  # promotions whose reads run: (event, rows)
         # The latest step times of each lane: how many device steps one host step spans (promotion look-ahead).
         self.host_step_seconds = self.device_step_seconds = 0.0
+        self.pending = None  # async scheduling: the device-lane step queued last, whose tokens are not read yet
+        self._resolved_at = 0.0  # when the device lane's latest step was read: steps in a row are timed from it
         self.decoded_by_lane = {"device": 0, "host": 0}  # tokens each lane decoded (benchmarks report the split)
 
     def make_sequence(self, token_ids: list[int], params) -> Sequence:
@@ -80,7 +89,7 @@ class LLMEngine:
         self.scheduler.add(seq)
 
     def has_work(self) -> bool:
-        return self.scheduler.has_work()
+        return self.scheduler.has_work() or self.pending is not None
 
     def step(self) -> StepStats:
         stats = self._step()
@@ -103,6 +112,7 @@ class LLMEngine:
             self._promote(moves)
         batch = self.scheduler.schedule_prefill()
         if batch:
+            finished += self._resolve_device_step()
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=True))
             num_tokens = sum(s.num_scheduled_tokens for s in batch)
             return StepStats(True, num_tokens, time.perf_counter() - start, finished)
@@ -118,13 +128,17 @@ class LLMEngine:
         if demoted:
             self.runner.demote(demoted)  # queued before the step that reuses their device blocks
         if batch:
-            host_busy, began = self.in_flight is not None, time.perf_counter()
-            finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=False))
-            self.device_step_seconds = time.perf_counter() - began
-            if not (moves or demoted or self.promoting):  # KV copies would count as the step's time
-                self.stats.device_step_done(len(batch), self.device_step_seconds, host_busy)
+            launched = self.runner.run(batch, is_prefill=False)
+            self.scheduler.launched(launched.seqs)
+            launched.host_busy, launched.quiet = self.in_flight is not None, not (moves or demoted or self.promoting)
+            finished += self._resolve_device_step()  # the step before: the GPU has this one queued behind it
+            self.pending = launched
+            if not self.cfg.async_scheduling:
+                finished += self._resolve_device_step()
             num_tokens += len(batch)
             self.decoded_by_lane["device"] += len(batch)
+        elif self.pending is not None:
+            finished += self._resolve_device_step()
         elif self.promoting:
             self._land_promotions(wait=True)  # the device lane's next rows, a few ms away
         elif self.in_flight is not None or self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU)):
@@ -135,6 +149,21 @@ class LLMEngine:
         elif not num_tokens:
             raise RuntimeError("the scheduler found no runnable work although requests are pending")
         return StepStats(False, num_tokens, time.perf_counter() - start, finished)
+
+    def _resolve_device_step(self) -> list[Sequence]:
+        """Reads the device-lane step in flight, if any, and records its tokens; returns the rows it finished.
+        Its time is from the later of its launch and the previous step's read to now: back to back, one step's
+        share of the pipeline."""
+        if self.pending is None:
+            return []
+        step, self.pending = self.pending, None
+        finished = self.scheduler.resolve(step.seqs, step.result(), step.positions)
+        now = time.perf_counter()
+        self.device_step_seconds = now - max(step.launched, self._resolved_at)
+        self._resolved_at = now
+        if step.quiet:  # KV copies would count as the step's time
+            self.stats.device_step_done(len(step.seqs), self.device_step_seconds, step.host_busy)
+        return finished
 
     def _promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
         """Starts the promotions' copies, a group of at most PROMOTION_GROUP_BYTES of KV (or one sequence) at a
@@ -202,6 +231,9 @@ class LLMEngine:
         if self.in_flight is not None:
             self.in_flight[1].exception()  # waits for it; its outcome no longer matters
             self.in_flight = None
+        if self.pending is not None:
+            self.pending.wait()
+            self.pending = self.runner.last_device_step = None
         self.runner.drain_host_work()  # promotions' copies included
         self.promoting = []
         self.scheduler.reset()
@@ -213,5 +245,5 @@ class LLMEngine:
             return
         self.closed = True
         self.host_lane.shutdown(wait=True, cancel_futures=True)  # a host step in flight finishes first
-        self.in_flight, self.promoting = None, []
+        self.in_flight, self.promoting, self.pending = None, [], None
         self.runner.close()

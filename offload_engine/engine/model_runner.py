@@ -7,6 +7,8 @@ import torch
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.engine.cuda_streams import engine_stream
+from offload_engine.engine.deferred_tokens import DeferredTokens, SampledIdBuffers
+from offload_engine.engine.input_batch import DecodeInputBatch
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.prefill_segment import run_segment, segment_capacity, segment_inputs
@@ -30,6 +32,7 @@ class ModelRunner:
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.segment_tokens = 0
         self.decode_graphs: dict = {}
+        self.inputs = self.host_inputs = None
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
         self._promotion_reads = None  # CUDA event: the latest promotion's direct reads of host blocks are done
@@ -54,7 +57,14 @@ class ModelRunner:
             self.ring = PinnedRing()
         self.model = build_model(self.model_cfg, model_dir, self.dtype, self.device, max_position=self.max_model_len)
         self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size)
+        # Each lane builds its own steps' inputs, from pinned memory of its own (step_inputs.py); the device
+        # lane's decode rows stay in place across steps (input_batch.py).
         self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size)
+        self.host_inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size)
+        self.input_batch = DecodeInputBatch(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
+                                            self.cfg.block_size, self.device)
+        self.sampled_ids = SampledIdBuffers(self.cfg.max_num_seqs, self.device)
+        self.last_device_step: DeferredTokens | None = None  # whose ids the next device step may read on the device
         self.generators = {lane: torch.Generator(device=self.device).manual_seed(self.cfg.seed + i)
                            for i, lane in enumerate(("device", "host"))}
         self.startup_seconds["weights"] = time.perf_counter() - began
@@ -166,10 +176,11 @@ class ModelRunner:
         # Captured after both pools exist, from what gpu_memory_utilization left free. Whole-step graphs need a
         # graph-safe attention backend: the torch path gathers every table column, which would not fit.
         cfg = self.model_cfg
-        make = lambda lane, blocks: DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim,
-                                                 self.dtype, self.device, blocks, engine_stream(self.device, f"capture-{lane}"))
         whole = self.backend.name != "torch"
-        graphs = {"device": make("device", -(-self.max_model_len // self.cfg.block_size) if whole else None)}
+        # The device lane's whole-step graphs read their inputs where the persistent input batch writes them.
+        graphs = {"device": DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim, self.dtype,
+                                         self.device, engine_stream(self.device, "capture-device"),
+                                         static_inputs=self.input_batch.static_inputs if whole else None)}
         if self.host_pool is not None:
             from offload_engine.engine.hardware_queues import warn_if_narrow
             from offload_engine.engine.host_step_graphs import HostStepGraphs
@@ -215,6 +226,10 @@ class ModelRunner:
             graphs.release()
         self.decode_graphs = {}
         self.move_staging.release()
+        for builder in (self.inputs, self.host_inputs):
+            if builder is not None:
+                builder.release()
+        self.inputs = self.host_inputs = self.last_device_step = None
         if self.ring is not None:
             self.ring.drain()
             self.ring = None
@@ -324,9 +339,13 @@ class ModelRunner:
 
     # ---- one step ----------------------------------------------------------------------------------------
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence], is_prefill: bool, lane: str = "device") -> list[int]:
+    def run(self, seqs: list[Sequence], is_prefill: bool, lane: str = "device") -> list[int] | DeferredTokens:
         """One step for `seqs`. Decode steps of the two lanes may run at once, from two threads: each lane has
-        its own graphs, generator and CUDA stream, and shares nothing else that a step writes."""
+        its own graphs, generator, inputs and CUDA stream, and shares nothing else that a step writes.
+
+        Prefill and host-lane steps return their sampled ids. A device-lane decode step returns as soon as it is
+        queued, with DeferredTokens: its rows in the order it ran them, its ids on the device (the next device
+        step reads them there) and, once their copy lands, on the host (LLMEngine resolves them a step later)."""
         self.check_host_writes()
         if lane == "host":
             # The host step writes its new tokens into host blocks that a queued promotion may still read; the
@@ -342,13 +361,36 @@ class ModelRunner:
                 self._after_promotion_reads()
             if is_prefill and len(seqs) == 1 and seqs[0].num_scheduled_tokens > self.cfg.max_num_batched_tokens:
                 logits = self._prefill_segment(seqs[0])  # Scheduler._take_chunk made it a segment
+            elif not is_prefill and lane == "device":
+                return self._launch_device_decode(seqs)
             else:
                 logits = self._forward(seqs, is_prefill, lane)
-            return sample(logits, self._sampling_batch(seqs), self.generators[lane]).tolist()
+            return sample(logits, self._sampling_batch(seqs, lane), self.generators[lane]).tolist()
+
+    def _launch_device_decode(self, seqs: list[Sequence]) -> DeferredTokens:
+        """Queues a device-lane decode step over the persistent input batch, sampling included, and returns
+        without waiting for it."""
+        rows = self.input_batch.place(seqs)
+        count = len(rows)
+        graphs = self.decode_graphs.get("device")
+        whole = graphs is not None and graphs.whole and count <= graphs.buckets[-1]
+        padded = graphs.bucket(count) if whole else count
+        meta = self.input_batch.prepare(padded, self.last_device_step)
+        token_ids, positions = self.input_batch.token_ids.device[:count], self.input_batch.positions.device[:count]
+        if whole:
+            logits = graphs.replay(padded, count)
+        elif graphs is not None and graphs.fits(count, meta):
+            logits = graphs.run(token_ids, positions, meta)
+        else:
+            logits = self.model.compute_logits(self.model(token_ids, positions, meta))
+        sampled = sample(logits, self._sampling_batch(rows, "device"), self.generators["device"])
+        self.last_device_step = self.sampled_ids.defer(rows, sampled)
+        return self.last_device_step
 
     def _forward(self, seqs: list[Sequence], is_prefill: bool, lane: str) -> torch.Tensor:
         """The model over one step's batch -> the logits of its sampled rows."""
-        step = self.inputs.prefill(seqs) if is_prefill else self.inputs.decode(seqs)
+        builder = self.inputs if lane == "device" else self.host_inputs
+        step = builder.prefill(seqs) if is_prefill else builder.decode(seqs)
         graphs = self.decode_graphs.get(lane)
         if not is_prefill and graphs is not None and graphs.fits(len(seqs), step.meta):
             logits = graphs.run(step.token_ids, step.positions, step.meta)
@@ -365,8 +407,11 @@ class ModelRunner:
         segment = segment_inputs(self.inputs, seq, self.cfg.max_num_batched_tokens)
         return self.model.compute_logits(run_segment(self.model, segment, self._host_writes))
 
-    def _sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+    def _sampling_batch(self, seqs: list[Sequence], lane: str) -> SamplingBatch:
         params = [s.params for s in seqs]
+        if all(p.greedy for p in params):  # argmax only: no per-row settings cross to the device
+            return SamplingBatch(None, None, None, [None] * len(seqs), all_greedy=True, needs_filter=False)
+        builder = self.inputs if lane == "device" else self.host_inputs
         vocab = self.model_cfg.vocab_size
         for seq in seqs:
             if seq.params.seed is not None and seq.generator is None:
@@ -375,9 +420,9 @@ class ModelRunner:
         # the request's own generator, or its tokens would depend on how the batch happened to be chunked.
         kept = [s.num_computed_tokens + s.num_scheduled_tokens >= len(s) for s in seqs]
         return SamplingBatch(
-            temperatures=self.inputs.to_device([p.temperature for p in params], torch.float32),
-            top_ks=self.inputs.to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
-            top_ps=self.inputs.to_device([p.top_p for p in params], torch.float32),
+            temperatures=builder.to_device([p.temperature for p in params], torch.float32),
+            top_ks=builder.to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
+            top_ps=builder.to_device([p.top_p for p in params], torch.float32),
             generators=[s.generator if keep else None for s, keep in zip(seqs, kept)],
             all_greedy=all(p.greedy for p in params),
             needs_filter=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),

@@ -18,7 +18,7 @@ from offload_engine.engine import placement
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.placement import choose_tier, demotes, demotion_order, promotions
-from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
+from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequence, SequenceStatus
 
 
 class Scheduler:
@@ -96,8 +96,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.location != tier or seq.in_flight or seq.in_prefill or seq.status != SequenceStatus.RUNNING:
                 continue
-            if seq.seq_id in hold_back:
-                continue
+            if seq.seq_id in hold_back or seq.tokens_left <= 0:
+                continue  # (no tokens left: a device step in flight samples its last one; resolve finishes it)
             while not self.blocks.can_append(seq):
                 victim = self._newest_on_tier(seq)
                 self._make_room(victim)
@@ -215,11 +215,39 @@ class Scheduler:
                 finished.append(seq)
         return finished
 
-    def _finish_reason(self, seq: Sequence, token: int) -> str | None:
+    def launched(self, batch: list[Sequence]) -> None:
+        """Records a device-lane decode step that was queued but not yet read (async scheduling): each row's
+        newest token now has KV, and the token it samples holds a PENDING_TOKEN place until resolve. The next
+        step can be scheduled over these rows at once: lengths and block needs are known; only eos is not."""
+        for seq in batch:
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(PENDING_TOKEN)
+
+    def resolve(self, batch: list[Sequence], token_ids: list[int], positions: list[int]) -> list[Sequence]:
+        """Puts a launched step's sampled ids in their places; returns the rows that finished. A row that
+        finished in an earlier step computed one more token in this one, which is dropped. A row that finishes
+        here may already be in the next step: its token there is dropped, and its place with it."""
+        finished = []
+        for seq, token, position in zip(batch, token_ids, positions):
+            if seq.is_finished:
+                continue
+            seq.token_ids[position] = token
+            if seq.status == SequenceStatus.RUNNING:  # (preempted since: it holds no blocks now)
+                self.blocks.register_computed_blocks(seq)
+            seq.finish_reason = self._finish_reason(seq, token, position + 1)
+            if seq.finish_reason is not None:
+                del seq.token_ids[position + 1 :]
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int, length: int | None = None) -> str | None:
+        """Why seq ends with `token`, its length-th token (default: its newest), or None."""
         params = seq.params
+        length = len(seq) if length is None else length
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
-        if len(seq.completion_token_ids) >= params.max_tokens or len(seq) >= self.max_model_len:
+        if length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
             return "length"
         return None
 

@@ -4,6 +4,10 @@ from itertools import count
 
 from offload_engine.sampling_params import SamplingParams
 
+# Async scheduling: the place of a token that a device step in flight has sampled and the host does not know yet
+# (Scheduler.launched puts it there, Scheduler.resolve replaces it).
+PENDING_TOKEN = -1
+
 
 class SequenceStatus(Enum):
     WAITING = auto()

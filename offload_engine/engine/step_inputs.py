@@ -1,15 +1,21 @@
 """Turns a scheduled batch into the step's tensors: token ids, positions and the dual-map AttentionMetadata.
 
 One pass over the sequences fills plain Python lists and numpy arrays; each device tensor then makes one
-non-blocking copy from pinned memory. Host-tier fields are built on the host and stay there.
+non-blocking copy from pinned memory: a region of the builder's own pinned ring (pinned_ring.py), reused once the
+copy that read it has run, so no step allocates pinned memory. Each lane has its own builder. Host-tier fields
+are built on the host and stay there. The device lane's decode steps use the persistent input batch instead
+(input_batch.py).
 """
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
+
+STAGING_BYTES = 16 << 20  # a prefill's inputs at max_num_batched_tokens=16k are ~0.5 MB; larger ones pin once
 
 
 @dataclass
@@ -41,13 +47,24 @@ class StepInputBuilder:
     def __init__(self, device: torch.device, block_size: int, cpu_block_size: int):
         self.device = device
         self.block_sizes = {BlockLocation.GPU: block_size, BlockLocation.CPU: cpu_block_size}
-        self.pin = device.type == "cuda"
+        self.ring = PinnedRing(STAGING_BYTES) if device.type == "cuda" else None
 
     def to_device(self, data, dtype: torch.dtype) -> torch.Tensor:
         host = torch.as_tensor(np.asarray(data), dtype=dtype)
-        if self.device.type == "cpu":
+        if self.ring is None:
             return host
-        return host.pin_memory().to(self.device, non_blocking=True)
+        staged, region = self.ring.take(tuple(host.shape), dtype)
+        staged.copy_(host)
+        moved = staged.to(self.device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.ring.busy_until(region, copied)  # the region is free again once the copy has run
+        return moved
+
+    def release(self) -> None:
+        if self.ring is not None:
+            self.ring.drain()
+            self.ring = None
 
     def prefill_row(self, seq: Sequence, start: int, end: int) -> _RowMaps:
         """The maps of a prefill chunk, tokens [start, end) of seq. A whole row's tokens and context are on its
