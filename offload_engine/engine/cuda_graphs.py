@@ -108,7 +108,8 @@ class DecodeGraphs:
         self.graphs, self.outputs, self.whole, self.pool = {}, {}, {}, None
 
     @property
-    def whole(self) -> bool:
+    def whole_steps(self) -> bool:
+        """Captured whole steps, attention included (made with static_inputs)."""
         return self.device_maps is not None
 
     def bucket(self, batch: int) -> int:

@@ -373,7 +373,7 @@ class ModelRunner:
         rows = self.input_batch.place(seqs)
         count = len(rows)
         graphs = self.decode_graphs.get("device")
-        whole = graphs is not None and graphs.whole and count <= graphs.buckets[-1]
+        whole = graphs is not None and graphs.whole_steps and count <= graphs.buckets[-1]
         padded = graphs.bucket(count) if whole else count
         meta = self.input_batch.prepare(padded, self.last_device_step)
         token_ids, positions = self.input_batch.token_ids.device[:count], self.input_batch.positions.device[:count]
