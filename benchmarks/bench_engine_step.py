@@ -27,6 +27,7 @@ from benchmarks.bench_throughput import RESULTS, device_slug, hbm_copy_gbps, mod
 from benchmarks.engine_run import random_prompts
 from benchmarks.workloads import PROFILES
 from offload_engine import LLM, SamplingParams
+from offload_engine.layers import fused
 
 BATCHES = (1, 4, 16, 64, 128, 256)
 CONTEXTS = (512, 2048, 8192)
@@ -64,7 +65,7 @@ class ReplayTimer:
 
 
 def step_case(llm, timer: ReplayTimer, batch: int, context: int, steps: int, kv_bytes: int, weights: int,
-              hbm_gbps: float, seed: int) -> dict:
+              hbm_gbps: float, seed: int, modes=(True, False)) -> dict:
     engine = llm.engine
     prompts = random_prompts([context] * batch, llm.model_config.vocab_size - 1, seed=seed)
     for prompt in prompts:
@@ -72,7 +73,7 @@ def step_case(llm, timer: ReplayTimer, batch: int, context: int, steps: int, kv_
     while engine.step().is_prefill:
         pass
     walls = {}
-    for async_scheduling in (True, False):  # the engine reads the setting every step
+    for async_scheduling in modes:  # the engine reads the setting every step
         engine.cfg.async_scheduling = async_scheduling
         for _ in range(3):  # the first decode steps after a prefill, and graph buckets' first replays
             engine.step()
@@ -91,10 +92,30 @@ def step_case(llm, timer: ReplayTimer, batch: int, context: int, steps: int, kv_
     engine.abort()  # drops the rest of the case's requests
     read = weights + batch * (context + 4 + steps) * kv_bytes
     wall_ms, gpu_ms, bound_ms = statistics.median(walls[True]), statistics.median(gpu), read / (hbm_gbps * 1e9) * 1e3
-    sync_ms = statistics.median(walls[False])
+    sync_ms = statistics.median(walls[False]) if False in walls else float("nan")
     return {"batch": batch, "context": context, "wall_ms": wall_ms, "gpu_ms": gpu_ms, "wall_over_gpu": wall_ms / gpu_ms,
             "wall_ms_sync": sync_ms, "sync_wall_over_gpu": sync_ms / gpu_ms,
             "hbm_bound_ms": bound_ms, "gpu_over_bound": gpu_ms / bound_ms}
+
+
+def step_grid(path: str, batches, contexts, steps: int, hbm_gbps: float, modes, label: str) -> tuple[list, int, int]:
+    llm = LLM(path, kv_placement="gpu", max_model_len=max(contexts) + 2 * steps + 32, max_num_seqs=max(batches))
+    kv_bytes, weights = llm.model_config.kv_bytes_per_token(llm.dtype), weight_bytes(llm)
+    timer, rows = ReplayTimer(llm.engine.runner.decode_graphs["device"]), []
+    for context in contexts:
+        for batch in batches:
+            if batch * context > MAX_CASE_TOKENS:
+                continue
+            row = step_case(llm, timer, batch, context, steps, kv_bytes, weights, hbm_gbps, batch + context, modes)
+            rows.append(row)
+            print(f"[step{label}] batch {batch:>3} context {context:>5}: wall {row['wall_ms']:.2f} ms, graph "
+                  f"{row['gpu_ms']:.2f} ms ({row['wall_over_gpu']:.2f}x; async off {row['sync_wall_over_gpu']:.2f}x), "
+                  f"HBM bound {row['hbm_bound_ms']:.2f} ms (graph {row['gpu_over_bound']:.2f}x it)", flush=True)
+    timer.restore()
+    llm.close()
+    del llm
+    torch.cuda.empty_cache()
+    return rows, kv_bytes, weights
 
 
 def throughput_bound(prompt_lens: list[int], output_len: int, weights: int, kv_bytes: int, hbm_gbps: float) -> float:
@@ -139,6 +160,7 @@ def main() -> None:
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--skip-hf", action="store_true")
+    parser.add_argument("--unfused", action="store_true", help="also time the steps without the fused kernels")
     parser.add_argument("--skip-a", action="store_true")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out-dir", default=None)
@@ -149,23 +171,14 @@ def main() -> None:
     result = {"device": device_slug(), "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__,
               "model": args.model, "hbm_gbps": hbm_gbps, "steps": []}
 
-    llm = LLM(path, kv_placement="gpu", max_model_len=max(contexts) + 2 * args.steps + 32, max_num_seqs=max(batches))
-    kv_bytes, weights = llm.model_config.kv_bytes_per_token(llm.dtype), weight_bytes(llm)
+    result["steps"], kv_bytes, weights = step_grid(path, batches, contexts, args.steps, hbm_gbps, (True, False), "")
     result.update(weight_bytes=weights, kv_bytes_per_token=kv_bytes)
-    timer = ReplayTimer(llm.engine.runner.decode_graphs["device"])
-    for context in contexts:
-        for batch in batches:
-            if batch * context > MAX_CASE_TOKENS:
-                continue
-            row = step_case(llm, timer, batch, context, args.steps, kv_bytes, weights, hbm_gbps, seed=batch + context)
-            result["steps"].append(row)
-            print(f"[step] batch {batch:>3} context {context:>5}: wall {row['wall_ms']:.2f} ms, graph {row['gpu_ms']:.2f} "
-                  f"ms ({row['wall_over_gpu']:.2f}x; async off {row['sync_wall_over_gpu']:.2f}x), HBM bound {row['hbm_bound_ms']:.2f} ms "
-                  f"(graph {row['gpu_over_bound']:.2f}x it)", flush=True)
-    timer.restore()
-    llm.close()
-    del llm
-    torch.cuda.empty_cache()
+    if args.unfused:  # the same grid without the fused kernels (layers/fused.py), async on: what fusing pays
+        fused.ENABLED = False
+        unfused, _, _ = step_grid(path, batches, contexts, args.steps, hbm_gbps, (True,), " unfused")
+        fused.ENABLED = True
+        for row, other in zip(result["steps"], unfused):
+            row["unfused_gpu_ms"], row["unfused_wall_ms"] = other["gpu_ms"], other["wall_ms"]
 
     rng = random.Random(0)
     prompt_lens = [rng.randint(100, 1024) for _ in range(args.num_prompts)]

@@ -6,6 +6,9 @@ inside a CUDA graph: grids and tile choices depend on shapes only, never on tens
 from .merge_attn_states import merge_attn_states
 from .paged_decode import paged_decode_attention
 from .paged_prefill import paged_prefill_attention
+from .rms_norm import rms_norm
+from .rotary import norm_rope
 from .store_kvcache import store_kvcache
 
-__all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "merge_attn_states"]
+__all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "merge_attn_states", "rms_norm",
+           "norm_rope"]

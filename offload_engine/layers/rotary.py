@@ -4,6 +4,8 @@ import math
 import torch
 from torch import nn
 
+from offload_engine.layers.fused import use_fused
+
 
 class RotaryEmbedding(nn.Module):
     def __init__(self, head_dim: int, max_position: int, rope: dict):
@@ -25,6 +27,20 @@ class RotaryEmbedding(nn.Module):
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
+    def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
+        """q and k normalized per head (Qwen3's q_norm and k_norm, RMSNorm modules, or None) and rotated. On CUDA
+        one fused kernel per tensor (kernels/rotary.py) instead of ~17 launches each."""
+        if use_fused(q):
+            from kernels import norm_rope
+
+            fused = lambda x, norm: norm_rope(x, positions, self.cos, self.sin, None if norm is None else norm.weight,
+                                              0.0 if norm is None else norm.eps)
+            return fused(q, q_norm), fused(k, k_norm)
+        if q_norm is not None:
+            q, k = q_norm(q), k_norm(k)
+        return self(positions, q, k)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
