@@ -85,7 +85,8 @@ def run_case(path: str, args, device_seqs: int, with_host: bool) -> dict:
     device_prompts = random_prompts([args.device_prompt] * device_seqs, vocab, seed=1)
     host_prompts = random_prompts([args.host_prompt] * args.host_seqs, vocab, seed=2) if with_host else []
     budget = -(-(args.device_prompt + args.output) // 16)
-    llm = LLM(path, kv_placement="auto", kv_promotion=False, num_gpu_blocks=device_seqs * budget + 16,
+    # async_scheduling=False: each device step is timed from its launch to its tokens (timed_runs wraps run).
+    llm = LLM(path, kv_placement="auto", kv_promotion=False, async_scheduling=False, num_gpu_blocks=device_seqs * budget + 16,
               cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_num_seqs=device_seqs + args.host_seqs,
               max_model_len=max(args.device_prompt, args.host_prompt) + args.output)
     llm.generate([[7] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up

@@ -424,6 +424,6 @@ class ModelRunner:
             top_ks=builder.to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
             top_ps=builder.to_device([p.top_p for p in params], torch.float32),
             generators=[s.generator if keep else None for s, keep in zip(seqs, kept)],
-            all_greedy=all(p.greedy for p in params),
+            all_greedy=False, any_greedy=any(p.greedy for p in params),
             needs_filter=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
         )

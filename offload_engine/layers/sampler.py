@@ -19,13 +19,13 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # per row; None uses the engine's generator
     all_greedy: bool
     needs_filter: bool  # some row has top-k or top-p on: only then is the vocabulary sorted
+    any_greedy: bool = True  # some row has temperature 0
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, default_generator: torch.Generator) -> torch.Tensor:
     """logits [B, V] float32 -> token ids [B] int64."""
-    greedy = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy
+        return logits.argmax(dim=-1)
     temps = batch.temperatures.clamp_min(1e-6).unsqueeze(1)
     scaled = logits / temps
     if batch.needs_filter:
@@ -36,7 +36,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, default_generator: torch.
         if gen is not None:
             noise[row].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(batch.temperatures == 0, greedy, sampled)
+    if batch.any_greedy:  # a full pass over the logits: only where some row needs it
+        return torch.where(batch.temperatures == 0, logits.argmax(dim=-1), sampled)
+    return sampled
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
