@@ -3,6 +3,7 @@
 Everything here looks at shapes, dtypes and devices only, never at tensor values, so every wrapper that
 uses it stays launchable inside a CUDA graph.
 """
+import contextlib
 import functools
 import math
 import os
@@ -32,6 +33,12 @@ def ieee_dot(dtype: torch.dtype) -> bool:
 def interpreted(device: torch.device) -> bool:
     """True when kernels run through Triton's interpreter (CPU tensors, or TRITON_INTERPRET=1)."""
     return device.type != "cuda" or os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def on_device(t: torch.Tensor):
+    """The context to launch a kernel on t's device in: its CUDA device made current (Triton launches on the
+    current one), or nothing for CPU tensors (the interpreter)."""
+    return torch.cuda.device(t.device) if t.is_cuda else contextlib.nullcontext()
 
 
 @triton.jit

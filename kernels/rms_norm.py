@@ -11,13 +11,11 @@ out = (s / sqrt(mean(s^2) + eps)) rounded to x's dtype, times weight, in the dty
 rounding points are the unfused path's, so they differ only by the order of the mean's sum (float32).
 One program per row; no host syncs.
 """
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import next_power_of_2
+from ._common import next_power_of_2, on_device
 
 
 @triton.jit
@@ -46,14 +44,15 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
     if x.dim() != 2 or x.stride(-1) != 1 or weight.shape != (x.shape[1],):
         raise ValueError(f"rms_norm needs x [rows, N] with a unit last stride and weight [N], got {tuple(x.shape)} "
                          f"(strides {x.stride()}) and {tuple(weight.shape)}")
-    rows, n = x.shape
-    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
-    residual_out = torch.empty_like(x) if residual is not None else out
     if residual is not None and (residual.shape != x.shape or residual.stride(-1) != 1):
         raise ValueError(f"rms_norm: residual {tuple(residual.shape)} does not match x {tuple(x.shape)}")
+    rows, n = x.shape
+    out = torch.empty(x.shape, dtype=torch.result_type(x, weight), device=x.device)
+    # Without a residual the kernel neither reads nor writes one (HAS_RESIDUAL): any tensors stand in.
+    residual_out = torch.empty_like(x) if residual is not None else out
     source = residual if residual is not None else x
     if rows:
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with on_device(x):
             _rms_norm_kernel[(rows,)](
                 x, source, weight, out, residual_out, x.stride(0), source.stride(0), out.stride(0),
                 residual_out.stride(0), n, eps, HAS_RESIDUAL=residual is not None, BLOCK=next_power_of_2(n))

@@ -10,13 +10,11 @@ halves x1, x2 of each head), weight [D] or None (no norm), eps. Returns a new co
 The norm's output is rounded to x's dtype, then multiplied by the weight and rounded again, and the rotation
 runs in float32 on that, as the unfused path does. One program per token and group of heads; no host syncs.
 """
-import contextlib
-
 import torch
 import triton
 import triton.language as tl
 
-from ._common import next_power_of_2
+from ._common import next_power_of_2, on_device
 
 
 @triton.jit
@@ -60,7 +58,7 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
     out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
     block_h = min(next_power_of_2(heads), 16)
     if tokens:
-        with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        with on_device(x):
             _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
                 x, positions, cos, sin, weight if weight is not None else x, out,
                 x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), heads, eps,

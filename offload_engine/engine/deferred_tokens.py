@@ -15,7 +15,6 @@ from offload_engine.engine.sequence import Sequence
 
 class SampledIdBuffers:
     def __init__(self, max_rows: int, device: torch.device):
-        self.device = device
         pin = device.type == "cuda"
         self.hosts = [torch.empty(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(HOST_COPIES)]
         self.next = 0

@@ -233,7 +233,8 @@ class LLMEngine:
             self.in_flight = None
         if self.pending is not None:
             self.pending.wait()
-            self.pending = self.runner.last_device_step = None
+            self.pending = None
+            self.runner.device_decode.forget()
         self.runner.drain_host_work()  # promotions' copies included
         self.promoting = []
         self.scheduler.reset()

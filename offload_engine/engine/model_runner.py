@@ -7,8 +7,8 @@ import torch
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.engine.cuda_streams import engine_stream
-from offload_engine.engine.deferred_tokens import DeferredTokens, SampledIdBuffers
-from offload_engine.engine.input_batch import DecodeInputBatch
+from offload_engine.engine.deferred_tokens import DeferredTokens
+from offload_engine.engine.device_decode import DeviceLaneDecode
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.prefill_segment import run_segment, segment_capacity, segment_inputs
@@ -61,10 +61,8 @@ class ModelRunner:
         # lane's decode rows stay in place across steps (input_batch.py).
         self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size)
         self.host_inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size)
-        self.input_batch = DecodeInputBatch(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
-                                            self.cfg.block_size, self.device)
-        self.sampled_ids = SampledIdBuffers(self.cfg.max_num_seqs, self.device)
-        self.last_device_step: DeferredTokens | None = None  # whose ids the next device step may read on the device
+        self.device_decode = DeviceLaneDecode(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
+                                              self.cfg.block_size, self.device)
         self.generators = {lane: torch.Generator(device=self.device).manual_seed(self.cfg.seed + i)
                            for i, lane in enumerate(("device", "host"))}
         self.startup_seconds["weights"] = time.perf_counter() - began
@@ -180,7 +178,7 @@ class ModelRunner:
         # The device lane's whole-step graphs read their inputs where the persistent input batch writes them.
         graphs = {"device": DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim, self.dtype,
                                          self.device, engine_stream(self.device, "capture-device"),
-                                         static_inputs=self.input_batch.static_inputs if whole else None)}
+                                         static_inputs=self.device_decode.batch.static_inputs if whole else None)}
         if self.host_pool is not None:
             from offload_engine.engine.hardware_queues import warn_if_narrow
             from offload_engine.engine.host_step_graphs import HostStepGraphs
@@ -229,7 +227,7 @@ class ModelRunner:
         for builder in (self.inputs, self.host_inputs):
             if builder is not None:
                 builder.release()
-        self.inputs = self.host_inputs = self.last_device_step = None
+        self.inputs = self.host_inputs = None
         if self.ring is not None:
             self.ring.drain()
             self.ring = None
@@ -362,30 +360,16 @@ class ModelRunner:
             if is_prefill and len(seqs) == 1 and seqs[0].num_scheduled_tokens > self.cfg.max_num_batched_tokens:
                 logits = self._prefill_segment(seqs[0])  # Scheduler._take_chunk made it a segment
             elif not is_prefill and lane == "device":
-                return self._launch_device_decode(seqs)
+                return self.device_decode.launch(seqs, self.model, self.decode_graphs.get("device"),
+                                                 lambda rows: self._sampling_batch(rows, "device"),
+                                                 self.generators["device"])
             else:
                 logits = self._forward(seqs, is_prefill, lane)
             return sample(logits, self._sampling_batch(seqs, lane), self.generators[lane]).tolist()
 
-    def _launch_device_decode(self, seqs: list[Sequence]) -> DeferredTokens:
-        """Queues a device-lane decode step over the persistent input batch, sampling included, and returns
-        without waiting for it."""
-        rows = self.input_batch.place(seqs)
-        count = len(rows)
-        graphs = self.decode_graphs.get("device")
-        whole = graphs is not None and graphs.whole_steps and count <= graphs.buckets[-1]
-        padded = graphs.bucket(count) if whole else count
-        meta = self.input_batch.prepare(padded, self.last_device_step)
-        token_ids, positions = self.input_batch.token_ids.device[:count], self.input_batch.positions.device[:count]
-        if whole:
-            logits = graphs.replay(padded, count)
-        elif graphs is not None and graphs.fits(count, meta):
-            logits = graphs.run(token_ids, positions, meta)
-        else:
-            logits = self.model.compute_logits(self.model(token_ids, positions, meta))
-        sampled = sample(logits, self._sampling_batch(rows, "device"), self.generators["device"])
-        self.last_device_step = self.sampled_ids.defer(rows, sampled)
-        return self.last_device_step
+    def _sampling_batch(self, seqs: list[Sequence], lane: str) -> SamplingBatch:
+        builder = self.inputs if lane == "device" else self.host_inputs
+        return builder.sampling(seqs, self.model_cfg.vocab_size)
 
     def _forward(self, seqs: list[Sequence], is_prefill: bool, lane: str) -> torch.Tensor:
         """The model over one step's batch -> the logits of its sampled rows."""
@@ -406,24 +390,3 @@ class ModelRunner:
         (engine/prefill_segment.py) -> the logits of its last token."""
         segment = segment_inputs(self.inputs, seq, self.cfg.max_num_batched_tokens)
         return self.model.compute_logits(run_segment(self.model, segment, self._host_writes))
-
-    def _sampling_batch(self, seqs: list[Sequence], lane: str) -> SamplingBatch:
-        params = [s.params for s in seqs]
-        if all(p.greedy for p in params):  # argmax only: no per-row settings cross to the device
-            return SamplingBatch(None, None, None, [None] * len(seqs), all_greedy=True, needs_filter=False)
-        builder = self.inputs if lane == "device" else self.host_inputs
-        vocab = self.model_cfg.vocab_size
-        for seq in seqs:
-            if seq.params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-        # A prefill chunk that does not finish its prompt samples a token nobody keeps: it must not draw from
-        # the request's own generator, or its tokens would depend on how the batch happened to be chunked.
-        kept = [s.num_computed_tokens + s.num_scheduled_tokens >= len(s) for s in seqs]
-        return SamplingBatch(
-            temperatures=builder.to_device([p.temperature for p in params], torch.float32),
-            top_ks=builder.to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
-            top_ps=builder.to_device([p.top_p for p in params], torch.float32),
-            generators=[s.generator if keep else None for s, keep in zip(seqs, kept)],
-            all_greedy=False, any_greedy=any(p.greedy for p in params),
-            needs_filter=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
-        )

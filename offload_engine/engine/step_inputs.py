@@ -14,6 +14,7 @@ import torch
 from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
+from offload_engine.layers.sampler import SamplingBatch
 
 STAGING_BYTES = 16 << 20  # a prefill's inputs at max_num_batched_tokens=16k are ~0.5 MB; larger ones pin once
 
@@ -60,6 +61,26 @@ class StepInputBuilder:
         copied.record()
         self.ring.busy_until(region, copied)  # the region is free again once the copy has run
         return moved
+
+    def sampling(self, seqs: list[Sequence], vocab: int) -> SamplingBatch:
+        """The step's per-row sampling settings (layers/sampler.py); a seeded request gets its generator here."""
+        params = [s.params for s in seqs]
+        if all(p.greedy for p in params):  # argmax only: no per-row settings cross to the device
+            return SamplingBatch(None, None, None, [None] * len(seqs), all_greedy=True, needs_filter=False)
+        for seq in seqs:
+            if seq.params.seed is not None and seq.generator is None:
+                seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
+        # A prefill chunk that does not finish its prompt samples a token nobody keeps: it must not draw from
+        # the request's own generator, or its tokens would depend on how the batch happened to be chunked.
+        kept = [s.num_computed_tokens + s.num_scheduled_tokens >= len(s) for s in seqs]
+        return SamplingBatch(
+            temperatures=self.to_device([p.temperature for p in params], torch.float32),
+            top_ks=self.to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
+            top_ps=self.to_device([p.top_p for p in params], torch.float32),
+            generators=[s.generator if keep else None for s, keep in zip(seqs, kept)],
+            all_greedy=False, any_greedy=any(p.greedy for p in params),
+            needs_filter=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
+        )
 
     def release(self) -> None:
         if self.ring is not None:

@@ -14,8 +14,8 @@ from tests.oracle import hf_greedy, random_prompts
 
 PLACEMENTS = {  # every path a device-lane row can take: plain, preempted and recomputed, demoted to the host lane
     "gpu": dict(kv_placement="gpu"),
-    "gpu-preempting": dict(kv_placement="gpu", num_gpu_blocks=6),
-    "auto-demoting": dict(kv_placement="auto", kv_promotion=False, num_gpu_blocks=8, num_cpu_blocks=40,
+    "gpu-preempting": dict(kv_placement="gpu", num_gpu_blocks=7),
+    "auto-demoting": dict(kv_placement="auto", kv_promotion=False, num_gpu_blocks=7, num_cpu_blocks=40,
                           cpu_block_size=16),
 }
 
@@ -44,6 +44,9 @@ def test_stops_and_lengths_match_transformers_with_and_without_async(qwen3_dir, 
             assert output.token_ids == ref[: stop + 1]  # the stop token is the last, nothing after it
             assert output.finish_reason == "stop"
         results[async_scheduling] = [o.token_ids for o in outputs]
+        scheduler = llm.engine.scheduler  # the path the placement is there for was taken
+        assert scheduler.num_preemptions > 0 if placement == "gpu-preempting" else True
+        assert scheduler.num_demotions > 0 if placement == "auto-demoting" else True
         assert not llm.engine.has_work() and llm.engine.pending is None
         llm.close()
     assert results[True] == results[False]
@@ -99,12 +102,6 @@ def _seq(length: int, table: list[int], last_token: int | None = None) -> Sequen
     return seq
 
 
-def _reference_maps(seqs):
-    """The per-step builder's decode maps for the same rows: an independent implementation of the contract."""
-    step = StepInputBuilder(torch.device("cpu"), 16, 64).decode(seqs)
-    return step
-
-
 def test_rows_stay_in_place_and_only_new_blocks_are_written():
     gen = torch.Generator().manual_seed(73)
     blocks = torch.randperm(64, generator=gen).tolist()
@@ -121,7 +118,7 @@ def test_rows_stay_in_place_and_only_new_blocks_are_written():
     assert batch.place([d, c, a]) == [a, c, d]
     meta = batch.prepare(4, None)
     assert batch.block_writes == 9 + 1 + 2  # c's new block and d's two, nothing rewritten
-    ref = _reference_maps([a, c, d])
+    ref = StepInputBuilder(torch.device("cpu"), 16, 64).decode([a, c, d])  # the per-step builder: independent
     assert batch.token_ids.device[:3].tolist() == ref.token_ids.tolist()
     assert batch.positions.device[:3].tolist() == ref.positions.tolist()
     assert meta.slot_mapping[:3].tolist() == ref.meta.slot_mapping.tolist()
