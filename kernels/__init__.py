@@ -8,7 +8,8 @@ from .paged_decode import paged_decode_attention
 from .paged_prefill import paged_prefill_attention
 from .rms_norm import rms_norm
 from .rotary import norm_rope
+from .sample import sample_tokens
 from .store_kvcache import store_kvcache
 
 __all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "merge_attn_states", "rms_norm",
-           "norm_rope"]
+           "norm_rope", "sample_tokens"]

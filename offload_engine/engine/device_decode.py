@@ -14,7 +14,7 @@ class DeviceLaneDecode:
         self.sampled_ids = SampledIdBuffers(max_rows, device)
         self.last_step: DeferredTokens | None = None  # whose ids the next step may read on the device
 
-    def launch(self, seqs: list[Sequence], model, graphs, sampling, generator: torch.Generator) -> DeferredTokens:
+    def launch(self, seqs: list[Sequence], model, graphs, sampling) -> DeferredTokens:
         """Queues one step over `seqs` and returns at once. graphs: the lane's DecodeGraphs or None; sampling:
         a function of the step's rows (in row order) -> their SamplingBatch."""
         rows = self.batch.place(seqs)
@@ -29,7 +29,7 @@ class DeviceLaneDecode:
             logits = graphs.run(token_ids, positions, meta)
         else:
             logits = model.compute_logits(model(token_ids, positions, meta))
-        self.last_step = self.sampled_ids.defer(rows, sample(logits, sampling(rows), generator))
+        self.last_step = self.sampled_ids.defer(rows, sample(logits, sampling(rows)))
         return self.last_step
 
     def forget(self) -> None:

@@ -36,8 +36,7 @@ def profile_free_kv_bytes(runner) -> int:
     # caching allocator keeps each stream's blocks apart (ModelRunner._reserve_step_memory).
     torch.cuda.reset_peak_memory_stats()
     base = torch.cuda.memory_allocated()
-    sample(*largest_sampling_step(cfg.max_num_seqs, runner.model_cfg.vocab_size, runner.device),
-           torch.Generator(device=runner.device))
+    sample(*largest_sampling_step(cfg.max_num_seqs, runner.model_cfg.vocab_size, runner.device))
     torch.cuda.synchronize()
     lanes = 2 if runner.host_pool is not None else 1
     sampler = lanes * (torch.cuda.max_memory_allocated() - base)

@@ -59,12 +59,11 @@ class ModelRunner:
         self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size)
         # Each lane builds its own steps' inputs, from pinned memory of its own (step_inputs.py); the device
         # lane's decode rows stay in place across steps (input_batch.py).
-        self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size)
-        self.host_inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size)
+        self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size, self.cfg.seed)
+        self.host_inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size,
+                                            self.cfg.seed + 1)
         self.device_decode = DeviceLaneDecode(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
                                               self.cfg.block_size, self.device)
-        self.generators = {lane: torch.Generator(device=self.device).manual_seed(self.cfg.seed + i)
-                           for i, lane in enumerate(("device", "host"))}
         self.startup_seconds["weights"] = time.perf_counter() - began
         self.num_gpu_blocks = self._size_device_pool()
         self.device_pool = self.allocate_device_pool(self.num_gpu_blocks)
@@ -105,8 +104,7 @@ class ModelRunner:
             if lane == "host" and self.host_pool is None:
                 continue  # no host lane will ever sample
             with torch.cuda.stream(stream), torch.inference_mode():
-                sample(*largest_sampling_step(self.cfg.max_num_seqs, self.model_cfg.vocab_size, self.device),
-                       torch.Generator(device=self.device))  # a throwaway: the lanes' own draw as before
+                sample(*largest_sampling_step(self.cfg.max_num_seqs, self.model_cfg.vocab_size, self.device))
             stream.synchronize()
 
     # ---- pools -------------------------------------------------------------------------------------------
@@ -339,7 +337,7 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, seqs: list[Sequence], is_prefill: bool, lane: str = "device") -> list[int] | DeferredTokens:
         """One step for `seqs`. Decode steps of the two lanes may run at once, from two threads: each lane has
-        its own graphs, generator, inputs and CUDA stream, and shares nothing else that a step writes.
+        its own graphs, sampling keys, inputs and CUDA stream, and shares nothing else that a step writes.
 
         Prefill and host-lane steps return their sampled ids. A device-lane decode step returns as soon as it is
         queued, with DeferredTokens: its rows in the order it ran them, its ids on the device (the next device
@@ -361,11 +359,10 @@ class ModelRunner:
                 logits = self._prefill_segment(seqs[0])  # Scheduler._take_chunk made it a segment
             elif not is_prefill and lane == "device":
                 return self.device_decode.launch(seqs, self.model, self.decode_graphs.get("device"),
-                                                 lambda rows: self._sampling_batch(rows, "device"),
-                                                 self.generators["device"])
+                                                 lambda rows: self._sampling_batch(rows, "device"))
             else:
                 logits = self._forward(seqs, is_prefill, lane)
-            return sample(logits, self._sampling_batch(seqs, lane), self.generators[lane]).tolist()
+            return sample(logits, self._sampling_batch(seqs, lane)).tolist()
 
     def _sampling_batch(self, seqs: list[Sequence], lane: str) -> SamplingBatch:
         builder = self.inputs if lane == "device" else self.host_inputs

@@ -49,7 +49,6 @@ class Sequence:
         # In a host-lane decode step that has not come back yet, or promoted with its KV still crossing (CUDA): not
         # to be touched.
         self.in_flight = False
-        self.generator = None  # torch.Generator for seeded sampling, made by the runner on first use
 
     def __len__(self) -> int:
         return len(self.token_ids)

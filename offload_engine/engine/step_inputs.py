@@ -14,7 +14,7 @@ import torch
 from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
-from offload_engine.layers.sampler import SamplingBatch
+from offload_engine.layers.sampler import SamplingBatch, sampling_keys
 
 STAGING_BYTES = 16 << 20  # a prefill's inputs at max_num_batched_tokens=16k are ~0.5 MB; larger ones pin once
 
@@ -45,8 +45,9 @@ class _RowMaps:
 
 
 class StepInputBuilder:
-    def __init__(self, device: torch.device, block_size: int, cpu_block_size: int):
+    def __init__(self, device: torch.device, block_size: int, cpu_block_size: int, seed: int = 0):
         self.device = device
+        self.rng = np.random.default_rng(seed)  # the keys of unseeded sampled rows (layers/sampler.py)
         self.block_sizes = {BlockLocation.GPU: block_size, BlockLocation.CPU: cpu_block_size}
         self.ring = PinnedRing(STAGING_BYTES) if device.type == "cuda" else None
 
@@ -62,25 +63,34 @@ class StepInputBuilder:
         self.ring.busy_until(region, copied)  # the region is free again once the copy has run
         return moved
 
-    def sampling(self, seqs: list[Sequence], vocab: int) -> SamplingBatch:
-        """The step's per-row sampling settings (layers/sampler.py); a seeded request gets its generator here."""
+    def sampling_settings(self, seqs: list[Sequence], vocab: int) -> tuple | None:
+        """The step's per-row sampling settings as host arrays (temperatures, keys, top-ks, top-ps; the last two
+        None where no row filters), or None where every row is greedy (layers/sampler.py)."""
         params = [s.params for s in seqs]
-        if all(p.greedy for p in params):  # argmax only: no per-row settings cross to the device
-            return SamplingBatch(None, None, None, [None] * len(seqs), all_greedy=True, needs_filter=False)
-        for seq in seqs:
-            if seq.params.seed is not None and seq.generator is None:
-                seq.generator = torch.Generator(device=self.device).manual_seed(seq.params.seed)
-        # A prefill chunk that does not finish its prompt samples a token nobody keeps: it must not draw from
-        # the request's own generator, or its tokens would depend on how the batch happened to be chunked.
-        kept = [s.num_computed_tokens + s.num_scheduled_tokens >= len(s) for s in seqs]
+        if all(p.greedy for p in params):
+            return None
+        temperatures = np.array([p.temperature for p in params], dtype=np.float32)
+        # A row's key goes with the position its token takes (len(seq)): a seeded request draws the same
+        # noise there whatever the batch, the chunking of its prompt or the lane.
+        keys = sampling_keys([p.seed for p in params], np.array([len(s) for s in seqs]), self.rng)
+        if not any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
+            return temperatures, keys, None, None
+        # Greedy rows keep every logit: their argmax must not depend on how a filter breaks ties.
+        top_ks = np.array([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], np.int64)
+        top_ps = np.array([1.0 if p.greedy else p.top_p for p in params], dtype=np.float32)
+        return temperatures, keys, top_ks, top_ps
+
+    def sampling(self, seqs: list[Sequence], vocab: int) -> SamplingBatch:
+        """The step's SamplingBatch, its tensors on the device."""
+        settings = self.sampling_settings(seqs, vocab)
+        if settings is None:  # argmax only: no per-row settings cross to the device
+            return SamplingBatch(None, None)
+        temperatures, keys, top_ks, top_ps = settings
+        filtered = top_ks is not None
         return SamplingBatch(
-            temperatures=self.to_device([p.temperature for p in params], torch.float32),
-            top_ks=self.to_device([p.top_k if p.top_k > 0 else vocab for p in params], torch.int64),
-            top_ps=self.to_device([p.top_p for p in params], torch.float32),
-            generators=[s.generator if keep else None for s, keep in zip(seqs, kept)],
-            all_greedy=False, any_greedy=any(p.greedy for p in params),
-            needs_filter=any(0 < p.top_k < vocab or p.top_p < 1 for p in params),
-        )
+            temperatures=self.to_device(temperatures, torch.float32), keys=self.to_device(keys, torch.int64),
+            top_ks=self.to_device(top_ks, torch.int64) if filtered else None,
+            top_ps=self.to_device(top_ps, torch.float32) if filtered else None, needs_filter=filtered)
 
     def release(self) -> None:
         if self.ring is not None:

@@ -1,44 +1,64 @@
-"""Token sampling: greedy, temperature, top-k, top-p, with per-request generators for seeded requests.
+"""Token sampling: greedy, temperature, top-k and top-p, in one pass over the logits (kernels/sample.py).
 
-Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws from p exactly and needs
-no cumulative search; a seeded request draws its E from its own generator, so its tokens do not depend on
-what else shares the batch.
+A row at temperature t takes argmax(x / t + G), G Gumbel noise, which draws from softmax(x / t) exactly. The
+noise is counter-based: each row brings a 64-bit key, and its uniforms are Philox's stream for that key
+(layers/philox.py). A seeded request's key is made from its seed and the position its token takes, so its
+tokens do not depend on what else shares the batch, how its prompt was chunked, which lane ran it, or whether
+the step was replayed from a CUDA graph; other rows draw their keys from the lane's generator, seeded from the
+engine's `seed`. Top-k and top-p, where a row asks for them, filter the scaled logits first (a sort: the one
+path that is not a single pass).
 """
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from kernels.sample import sample_tokens
+from offload_engine.layers.philox import philox_uniform
+
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings for one step, already on the logits' device."""
+    """Per-row sampling settings for one step, on the logits' device."""
 
-    temperatures: torch.Tensor  # [B] float32, 0 for greedy rows
-    top_ks: torch.Tensor  # [B] int64, vocab size when off
-    top_ps: torch.Tensor  # [B] float32
-    generators: list[torch.Generator | None]  # per row; None uses the engine's generator
-    all_greedy: bool
-    needs_filter: bool  # some row has top-k or top-p on: only then is the vocabulary sorted
-    any_greedy: bool = True  # some row has temperature 0
+    temperatures: torch.Tensor | None  # [B] float32, 0 for greedy rows; None when every row is greedy
+    keys: torch.Tensor | None  # [B] int64 Philox keys (sampling_keys)
+    top_ks: torch.Tensor | None = None  # [B] int64, the vocabulary's size where off; only with needs_filter
+    top_ps: torch.Tensor | None = None  # [B] float32, 1 where off; only with needs_filter
+    needs_filter: bool = False  # some row has top-k or top-p on: only then is the vocabulary sorted
+
+    @property
+    def all_greedy(self) -> bool:
+        return self.temperatures is None
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch, default_generator: torch.Generator) -> torch.Tensor:
-    """logits [B, V] float32 -> token ids [B] int64."""
+def sample(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [B, V] -> token ids [B] int64 (written into `out` where given). No host syncs: it runs inside the
+    device lane's CUDA graphs."""
     if batch.all_greedy:
-        return logits.argmax(dim=-1)
-    temps = batch.temperatures.clamp_min(1e-6).unsqueeze(1)
-    scaled = logits / temps
+        return torch.argmax(logits, dim=-1, out=out) if out is not None else logits.argmax(dim=-1)
+    temperatures = batch.temperatures
     if batch.needs_filter:
-        scaled = _filter_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
-    probs = scaled.softmax(dim=-1)
-    noise = torch.empty_like(probs).exponential_(generator=default_generator)
-    for row, gen in enumerate(batch.generators):
-        if gen is not None:
-            noise[row].exponential_(generator=gen)
-    sampled = (probs / noise).argmax(dim=-1)
-    if batch.any_greedy:  # a full pass over the logits: only where some row needs it
-        return torch.where(batch.temperatures == 0, logits.argmax(dim=-1), sampled)
-    return sampled
+        sampled = temperatures > 0
+        scaled = logits / torch.where(sampled, temperatures, 1.0).unsqueeze(1)
+        logits = _filter_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+        temperatures = sampled.to(torch.float32)  # already scaled: the kernel divides by 1
+    if logits.is_cuda:
+        return sample_tokens(logits, temperatures, batch.keys, out=out)
+    ids = _sample_with_torch(logits, temperatures, batch.keys)
+    return out.copy_(ids) if out is not None else ids
+
+
+def _sample_with_torch(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """What kernels/sample.py computes, for CPU tensors."""
+    scores = logits.float()
+    rows = (temperatures > 0).nonzero().squeeze(1)
+    if rows.numel():
+        noise = -torch.log(-torch.log(philox_uniform(keys[rows], logits.shape[1])))
+        scores = scores.index_copy(0, rows, scores[rows] / temperatures[rows].unsqueeze(1) + noise)
+    return scores.argmax(dim=-1)
 
 
 def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torch.Tensor) -> torch.Tensor:
@@ -53,11 +73,31 @@ def _filter_top_k_top_p(logits: torch.Tensor, top_ks: torch.Tensor, top_ps: torc
     return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer: spreads nearby inputs (seeds, positions) over unrelated keys."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def sampling_keys(seeds: list[int | None], positions: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Each row's Philox key, int64: from its request's seed and the position its token takes where the request
+    is seeded, otherwise a fresh draw from the lane's generator."""
+    keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=len(seeds), dtype=np.int64,
+                        endpoint=True)
+    seeded = [row for row, seed in enumerate(seeds) if seed is not None]
+    if seeded:
+        with np.errstate(over="ignore"):
+            seed_words = np.array([seeds[row] % 2**64 for row in seeded], dtype=np.uint64)
+            steps = positions[seeded].astype(np.uint64)
+            keys[seeded] = _mix(_mix(seed_words) + _GOLDEN * (steps + np.uint64(1))).view(np.int64)
+    return keys
+
+
 def largest_sampling_step(rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, SamplingBatch]:
     """Random logits and settings for the sampler's most memory-hungry step: every row sampled through top-k
     and top-p. The engine runs it at start-up to size and reserve the sampler's memory."""
     full = lambda value, dtype: torch.full((rows,), value, dtype=dtype, device=device)
-    batch = SamplingBatch(temperatures=full(1.0, torch.float32), top_ks=full(50, torch.int64),
-                          top_ps=full(0.9, torch.float32), generators=[None] * rows, all_greedy=False,
-                          needs_filter=True)
+    batch = SamplingBatch(temperatures=full(1.0, torch.float32), keys=torch.randint(0, 2**62, (rows,), device=device),
+                          top_ks=full(50, torch.int64), top_ps=full(0.9, torch.float32), needs_filter=True)
     return torch.randn(rows, vocab, device=device), batch
