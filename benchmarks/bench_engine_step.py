@@ -7,7 +7,8 @@ steps: one engine (kv_placement="gpu") takes, for each context length, batches o
 once they are prefilled, `--steps` decode steps are timed. wall_ms is the engine's step as a user's loop sees it
 (schedule, inputs, graph, sampling, postprocess), with async scheduling as configured by default (on), and
 wall_ms_sync the same steps with it off, in the same run; gpu_ms is the device lane's graph replay alone, between
-CUDA events around the replay; hbm_bound_ms is what the step must read (every weight once, and the batch's KV) over
+CUDA events around the replay (the graph holds the whole step on the device: the token gather, the model and the
+sampler; the grid samples at temperature 1); hbm_bound_ms is what the step must read (every weight once, and the batch's KV) over
 the HBM copy rate measured in this run.
 throughput: 256 prompts of lengths uniform in [100, 1024], 512 greedy tokens each (ignore_eos): the engine's
 output tok/s, the bound (every decode step at the HBM bound, prefill free: a bound generous to the engine), and

@@ -1,32 +1,53 @@
-"""A pinned host tensor and its device twin, written through a numpy view and copied with one non-blocking copy.
+"""Named pinned host tensors and their device twins, packed so that one non-blocking copy moves them all.
 
 A step's inputs are made on the host. Fresh `pin_memory()` tensors per step cost an allocation each (and a
-cudaHostAlloc whenever torch's pinned cache has no block of that size); these buffers are made once. The host
-side is double-buffered: with async scheduling the next step's inputs are written while the copy of this step's
-may not have run yet (its copy sits in the stream behind the step before), so consecutive steps alternate
-between the two host halves. The device twin is single: copies into it are ordered on the stream after the step
-that last read it.
+cudaHostAlloc whenever torch's pinned cache has no block of that size), and each tensor copied on its own costs a
+copy launch and its latency: at batch 1 the device lane's ten small copies were ~0.1 ms of a 1.5 ms step (H100
+host, 2026-11-23). Here every field is a slice of one pinned byte buffer, written through a numpy view, and a step
+copies the byte range its fields use into one device byte buffer, whose typed views never move (the device lane's
+CUDA graphs read them as static inputs).
+
+The host side is double-buffered: with async scheduling the next step's inputs are written while the copy of this
+step's may not have run yet (it sits in the stream behind the step before), so consecutive steps alternate between
+the two host halves. The device side is single: copies into it are ordered on the stream after the step that last
+read it.
 """
 import numpy as np
 import torch
 
 HOST_COPIES = 2  # one step's inputs being written while the previous step's copy may still be queued
+_ALIGN = 64
 
 
-class CpuGpuBuffer:
-    def __init__(self, *shape: int, dtype: torch.dtype, device: torch.device, fill=0):
+class PackedCpuGpuBuffers:
+    def __init__(self, fields: dict[str, tuple[int, torch.dtype, float]], device: torch.device):
+        """fields: name -> (length, dtype, initial value), in the order they are packed; the last one may be
+        copied in part (copy_to_device's `last_used`)."""
+        self.offsets, self.fields, offset = {}, fields, 0
+        for name, (length, dtype, _) in fields.items():
+            self.offsets[name] = offset
+            offset += -(-length * dtype.itemsize // _ALIGN) * _ALIGN
         pin = device.type == "cuda"
-        self.device = torch.full(shape, fill, dtype=dtype, device=device)
-        self.hosts = [torch.full(shape, fill, dtype=dtype).pin_memory() if pin else torch.full(shape, fill, dtype=dtype)
-                      for _ in range(HOST_COPIES)]
-        self.numpys = [host.numpy() for host in self.hosts]
+        self.device_bytes = torch.empty(offset, dtype=torch.uint8, device=device)
+        self.host_bytes = [torch.empty(offset, dtype=torch.uint8, pin_memory=pin) for _ in range(HOST_COPIES)]
+        self.device = {name: self._view(self.device_bytes, name) for name in fields}
+        self.hosts = [{name: self._view(host, name).numpy() for name in fields} for host in self.host_bytes]
+        for name, (_, _, fill) in fields.items():
+            self.device[name].fill_(fill)
+            for host in self.hosts:
+                host[name][:] = fill
 
-    def host(self, parity: int) -> np.ndarray:
-        """The numpy view of one host half (parity: the step's number mod HOST_COPIES)."""
-        return self.numpys[parity]
+    def _view(self, raw: torch.Tensor, name: str) -> torch.Tensor:
+        length, dtype, _ = self.fields[name]
+        start = self.offsets[name]
+        return raw[start:start + length * dtype.itemsize].view(dtype)
 
-    def copy_to_device(self, parity: int, count: int) -> torch.Tensor:
-        """Copies the first `count` entries (rows) of host half `parity` to the device; returns that device view."""
-        view = self.device[:count]
-        view.copy_(self.hosts[parity][:count], non_blocking=True)
-        return view
+    def host(self, parity: int, name: str) -> np.ndarray:
+        """The numpy view of one field in host half `parity` (the step's number mod HOST_COPIES)."""
+        return self.hosts[parity][name]
+
+    def copy_to_device(self, parity: int, last_used: int) -> None:
+        """One copy of host half `parity`: every field, and the first `last_used` entries of the last one."""
+        name = next(reversed(self.fields))
+        end = self.offsets[name] + last_used * self.fields[name][1].itemsize
+        self.device_bytes[:end].copy_(self.host_bytes[parity][:end], non_blocking=True)

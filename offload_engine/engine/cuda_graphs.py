@@ -8,10 +8,11 @@ Attention stays outside the graphs because its host-tier half runs numba on a ho
 (context lengths, which tier each row is on) changes every step; everything else is the same kernels with
 the same shapes, replayed for a few microseconds each.
 
-When no row of the step is on the host tier, attention needs no host work, so an instance made with
-`static_inputs` captures whole steps, attention included: it reads its token ids, positions and maps from those
-device tensors (the persistent input batch's, engine/input_batch.py, which the step's inputs are copied into),
-sized for max_num_seqs rows of max_model_len. The engine keeps one instance for the device lane (whole steps where the attention backend
+When no row of the step is on the host tier, attention needs no host work, so an instance made with `inputs`
+(the persistent input batch, engine/input_batch.py) captures whole steps: the token gather, the model with its
+attention, and sampling, into the batch's `sampled`. It reads its token ids, positions, maps and sampling settings
+from the batch's device tensors, which the step's inputs are copied into, sized for max_num_seqs rows of
+max_model_len. The engine keeps one instance for the device lane (whole steps where the attention backend
 allows, piecewise for the torch backend); the host lane has whole-step graphs of its own whose attention
 the host kernel does between gates (engine/host_step_graphs.py). Each lane's graphs have their own static
 inputs and memory pool, so the two lanes can be in flight at once, and each captures on a CUDA stream of
@@ -26,6 +27,7 @@ is row-wise in decode, and padded rows get slot -1 and context 0, so they write 
 import torch
 
 from offload_engine.layers.attention_metadata import AttentionMetadata
+from offload_engine.layers.sampler import sample
 
 
 def batch_buckets(max_num_seqs: int) -> list[int]:
@@ -35,7 +37,7 @@ def batch_buckets(max_num_seqs: int) -> list[int]:
 
 class DecodeGraphs:
     def __init__(self, model, max_num_seqs: int, num_heads: int, head_dim: int, dtype: torch.dtype,
-                 device: torch.device, capture_stream: torch.cuda.Stream, static_inputs: tuple | None = None):
+                 device: torch.device, capture_stream: torch.cuda.Stream, inputs=None):
         self.model = model
         self.num_layers = len(model.model.layers)
         self.buckets = batch_buckets(max_num_seqs)
@@ -48,15 +50,9 @@ class DecodeGraphs:
         self.graphs: dict[int, list] = {}
         self.outputs: dict[int, list] = {}
         self.whole: dict[int, tuple] = {}
-        self.device_maps = None
-        if static_inputs is not None:
-            self.token_ids, self.positions, slot_mapping, context_lens, block_tables = static_inputs
-            self.device_maps = AttentionMetadata(
-                is_prefill=False, has_gpu_rows=True, has_cpu_rows=False, slot_mapping=slot_mapping,
-                context_lens=context_lens, block_tables=block_tables,
-                slot_mapping_cpu=torch.empty(0), context_lens_cpu=torch.empty(0), block_tables_cpu=torch.empty(0))
+        self.inputs = inputs
         for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
-            if self.device_maps is None:
+            if inputs is None:
                 self._capture(size)
             else:
                 self._capture_whole(size)
@@ -86,13 +82,17 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def _capture_whole(self, size: int) -> None:
-        maps = self.device_maps
+        batch, empty = self.inputs, torch.empty(0)
         meta = AttentionMetadata(
-            is_prefill=False, has_gpu_rows=True, has_cpu_rows=False, slot_mapping=maps.slot_mapping[:size],
-            context_lens=maps.context_lens[:size], block_tables=maps.block_tables[:size],
-            slot_mapping_cpu=maps.slot_mapping_cpu, context_lens_cpu=maps.context_lens_cpu,
-            block_tables_cpu=maps.block_tables_cpu)
-        step = lambda: self.model.compute_logits(self.model(self.token_ids[:size], self.positions[:size], meta))
+            is_prefill=False, has_gpu_rows=True, has_cpu_rows=False, slot_mapping=batch.slot_mapping[:size],
+            context_lens=batch.context_lens[:size], block_tables=batch.block_tables[:size],
+            slot_mapping_cpu=empty, context_lens_cpu=empty, block_tables_cpu=empty)
+
+        def step():
+            logits = self.model.compute_logits(self.model(batch.gather_tokens(size), batch.positions[:size], meta))
+            sample(logits, batch.sampling(size), out=batch.sampled[:size])
+            return logits
+
         step()  # warm up (context 0 everywhere: no KV is read or written)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
@@ -109,8 +109,8 @@ class DecodeGraphs:
 
     @property
     def whole_steps(self) -> bool:
-        """Captured whole steps, attention included (made with static_inputs)."""
-        return self.device_maps is not None
+        """Captured whole steps, attention and sampling included (made with `inputs`)."""
+        return self.inputs is not None
 
     def bucket(self, batch: int) -> int:
         """The graph size a batch runs in (the smallest bucket that holds it)."""
@@ -118,10 +118,11 @@ class DecodeGraphs:
 
     def fits(self, batch: int, meta) -> bool:
         """Piecewise graphs serve any batch up to the largest bucket (whole ones: replay)."""
-        return batch <= self.buckets[-1] and self.device_maps is None
+        return batch <= self.buckets[-1] and self.inputs is None
 
     def replay(self, size: int, batch: int) -> torch.Tensor:
-        """A whole step whose inputs are already in the static tensors, rows past `batch` masked: logits [batch]."""
+        """A whole step whose inputs are already in the static tensors, rows past `batch` masked: logits [batch];
+        the sampled ids are in the input batch's `sampled`."""
         graph, logits = self.whole[size]
         graph.replay()
         return logits[:batch]

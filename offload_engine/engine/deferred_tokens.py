@@ -28,20 +28,18 @@ class SampledIdBuffers:
 class DeferredTokens:
     def __init__(self, seqs: list[Sequence], sampled: torch.Tensor, host: torch.Tensor):
         self.seqs = seqs  # in the step's row order
-        self.sampled = sampled  # int64 [rows], on the device
+        self.sampled = sampled  # int64 [rows], on the device until the lane's next step overwrites them
         self.row_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
         self.positions = [len(seq) for seq in seqs]  # where each sampled token goes in its sequence
         self.launched = time.perf_counter()
         self.host_busy = False  # a host-lane step was in flight when it was queued (LaneStats)
         self.quiet = True  # no KV copy was queued with it, so its time is the step's own (LaneStats)
         self.landed = None
-        if sampled.device.type == "cuda":
-            host.copy_(sampled, non_blocking=True)
-            self.host = host
+        # `sampled` is where every step of the lane leaves its ids (input_batch.py): copied before the next step.
+        self.host = host.copy_(sampled, non_blocking=sampled.is_cuda)
+        if sampled.is_cuda:
             self.landed = torch.cuda.Event()
             self.landed.record()
-        else:
-            self.host = sampled
 
     def result(self) -> list[int]:
         """The sampled ids, waiting for their copy if it has not landed."""

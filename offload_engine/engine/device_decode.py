@@ -1,8 +1,9 @@
-"""The device lane's decode step: the persistent input batch in, the whole-step graph (or the model), sampling,
+"""The device lane's decode step: the persistent input batch in, the whole-step graph (or the model) and sampling,
 and DeferredTokens out, without waiting for the GPU (async scheduling, engine/llm_engine.py)."""
 import torch
 
 from offload_engine.engine.deferred_tokens import DeferredTokens, SampledIdBuffers
+from offload_engine.engine.graph_dispatch import GraphMode
 from offload_engine.engine.input_batch import DecodeInputBatch
 from offload_engine.engine.sequence import Sequence
 from offload_engine.layers.sampler import sample
@@ -14,22 +15,29 @@ class DeviceLaneDecode:
         self.sampled_ids = SampledIdBuffers(max_rows, device)
         self.last_step: DeferredTokens | None = None  # whose ids the next step may read on the device
 
-    def launch(self, seqs: list[Sequence], model, graphs, sampling) -> DeferredTokens:
-        """Queues one step over `seqs` and returns at once. graphs: the lane's DecodeGraphs or None; sampling:
-        a function of the step's rows (in row order) -> their SamplingBatch."""
-        rows = self.batch.place(seqs)
+    def launch(self, seqs: list[Sequence], model, graphs, mode: GraphMode, padded: int,
+               sampling_settings) -> DeferredTokens:
+        """Queues one step over `seqs` and returns at once. graphs: the lane's DecodeGraphs or None; mode and
+        padded: the dispatcher's choice (graph_dispatch.py); sampling_settings: a function of the step's rows (in
+        row order) -> StepInputBuilder.sampling_settings."""
+        batch = self.batch
+        rows = batch.place(seqs)
         count = len(rows)
-        whole = graphs is not None and graphs.whole_steps and count <= graphs.buckets[-1]
-        padded = graphs.bucket(count) if whole else count
-        meta = self.batch.prepare(padded, self.last_step)
-        token_ids, positions = self.batch.token_ids.device[:count], self.batch.positions.device[:count]
-        if whole:
-            logits = graphs.replay(padded, count)
-        elif graphs is not None and graphs.fits(count, meta):
-            logits = graphs.run(token_ids, positions, meta)
+        padded = padded if mode == GraphMode.FULL else count  # only a whole-step graph runs padding rows
+        meta = batch.prepare(padded, self.last_step, sampling_settings(rows))
+        sampled = batch.sampled[:count]
+        if mode == GraphMode.FULL:
+            logits = graphs.replay(padded, count)  # gathers its tokens and samples into batch.sampled in the graph
         else:
-            logits = model.compute_logits(model(token_ids, positions, meta))
-        self.last_step = self.sampled_ids.defer(rows, sample(logits, sampling(rows)))
+            token_ids, positions = batch.gather_tokens(count), batch.positions[:count]
+            if mode == GraphMode.PIECEWISE:
+                logits = graphs.run(token_ids, positions, meta)
+            else:
+                logits = model.compute_logits(model(token_ids, positions, meta))
+            sample(logits, batch.sampling(count), out=sampled)
+        if batch.filtered is not None:  # a row with top-k or top-p: the graph's draw is replaced
+            sample(logits, batch.filtered, out=sampled)
+        self.last_step = self.sampled_ids.defer(rows, sampled)
         return self.last_step
 
     def forget(self) -> None:

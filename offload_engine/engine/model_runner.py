@@ -9,6 +9,7 @@ from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.deferred_tokens import DeferredTokens
 from offload_engine.engine.device_decode import DeviceLaneDecode
+from offload_engine.engine.graph_dispatch import GraphDispatcher, GraphMode
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.prefill_segment import run_segment, segment_capacity, segment_inputs
@@ -32,6 +33,7 @@ class ModelRunner:
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.segment_tokens = 0
         self.decode_graphs: dict = {}
+        self.dispatcher = GraphDispatcher(self.decode_graphs)  # which graph a decode step replays
         self.inputs = self.host_inputs = None
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
@@ -72,6 +74,7 @@ class ModelRunner:
             self.startup_seconds["pin"] = self.host_pool.wait_pinned()
         self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
         self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
+        self.dispatcher.graphs = self.decode_graphs
         if self.ring is not None:
             with torch.inference_mode():
                 self.model.attention_layers()[0].compile_staged_prefill()
@@ -176,7 +179,7 @@ class ModelRunner:
         # The device lane's whole-step graphs read their inputs where the persistent input batch writes them.
         graphs = {"device": DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim, self.dtype,
                                          self.device, engine_stream(self.device, "capture-device"),
-                                         static_inputs=self.device_decode.batch.static_inputs if whole else None)}
+                                         inputs=self.device_decode.batch if whole else None)}
         if self.host_pool is not None:
             from offload_engine.engine.hardware_queues import warn_if_narrow
             from offload_engine.engine.host_step_graphs import HostStepGraphs
@@ -220,7 +223,7 @@ class ModelRunner:
             self.executor = None
         for graphs in self.decode_graphs.values():
             graphs.release()
-        self.decode_graphs = {}
+        self.decode_graphs = self.dispatcher.graphs = {}
         self.move_staging.release()
         for builder in (self.inputs, self.host_inputs):
             if builder is not None:
@@ -358,8 +361,10 @@ class ModelRunner:
             if is_prefill and len(seqs) == 1 and seqs[0].num_scheduled_tokens > self.cfg.max_num_batched_tokens:
                 logits = self._prefill_segment(seqs[0])  # Scheduler._take_chunk made it a segment
             elif not is_prefill and lane == "device":
-                return self.device_decode.launch(seqs, self.model, self.decode_graphs.get("device"),
-                                                 lambda rows: self._sampling_batch(rows, "device"))
+                mode, batch = self.dispatcher.dispatch("device", len(seqs))
+                settings = lambda rows: self.inputs.sampling_settings(rows, self.model_cfg.vocab_size)
+                return self.device_decode.launch(seqs, self.model, self.decode_graphs.get("device"), mode,
+                                                 batch.rows, settings)
             else:
                 logits = self._forward(seqs, is_prefill, lane)
             return sample(logits, self._sampling_batch(seqs, lane)).tolist()
@@ -372,9 +377,9 @@ class ModelRunner:
         """The model over one step's batch -> the logits of its sampled rows."""
         builder = self.inputs if lane == "device" else self.host_inputs
         step = builder.prefill(seqs) if is_prefill else builder.decode(seqs)
-        graphs = self.decode_graphs.get(lane)
-        if not is_prefill and graphs is not None and graphs.fits(len(seqs), step.meta):
-            logits = graphs.run(step.token_ids, step.positions, step.meta)
+        mode = GraphMode.NONE if is_prefill else self.dispatcher.dispatch(lane, len(seqs), step.meta)[0]
+        if mode == GraphMode.PIECEWISE:
+            logits = self.decode_graphs[lane].run(step.token_ids, step.positions, step.meta)
         else:
             hidden = self.model(step.token_ids, step.positions, step.meta)
             logits = self.model.compute_logits(hidden[step.sample_rows])

@@ -119,8 +119,8 @@ def test_rows_stay_in_place_and_only_new_blocks_are_written():
     meta = batch.prepare(4, None)
     assert batch.block_writes == 9 + 1 + 2  # c's new block and d's two, nothing rewritten
     ref = StepInputBuilder(torch.device("cpu"), 16, 64).decode([a, c, d])  # the per-step builder: independent
-    assert batch.token_ids.device[:3].tolist() == ref.token_ids.tolist()
-    assert batch.positions.device[:3].tolist() == ref.positions.tolist()
+    assert batch.gather_tokens(3).tolist() == ref.token_ids.tolist()
+    assert batch.positions[:3].tolist() == ref.positions.tolist()
     assert meta.slot_mapping[:3].tolist() == ref.meta.slot_mapping.tolist()
     assert meta.context_lens.tolist() == ref.meta.context_lens.tolist() + [0]  # the padded row reads nothing
     assert meta.slot_mapping[3].item() == -1
@@ -132,12 +132,13 @@ def test_pending_tokens_are_taken_from_the_step_in_flight_on_the_device():
     blocks = list(range(20))
     a, b = _seq(20, blocks[0:2], last_token=PENDING_TOKEN), _seq(9, blocks[2:3])
     c = _seq(40, blocks[3:6], last_token=PENDING_TOKEN)
-    sampled = torch.tensor([111, 222, 333])
-    in_flight = DeferredTokens([c, Sequence([1], SamplingParams(), 2), a], sampled, torch.empty(3, dtype=torch.int64))
     batch = DecodeInputBatch(max_rows=4, max_blocks=8, block_size=16, device=torch.device("cpu"))
+    batch.sampled[:3] = torch.tensor([111, 222, 333])  # the step in flight left its ids there
+    in_flight = DeferredTokens([c, Sequence([1], SamplingParams(), 2), a], batch.sampled[:3],
+                               torch.empty(3, dtype=torch.int64))
     batch.place([a, b, c])
     batch.prepare(3, in_flight)
-    assert batch.token_ids.device[:3].tolist() == [333, b.token_ids[-1], 111]
+    assert batch.gather_tokens(3).tolist() == [333, b.token_ids[-1], 111]
     with pytest.raises(RuntimeError, match="pending"):
         batch.prepare(3, None)
 

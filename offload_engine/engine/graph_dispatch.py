@@ -1,0 +1,54 @@
+"""Which CUDA graph a decode step replays, chosen in one place for both lanes from a frozen description of the
+step's batch (the dispatcher of vLLM v1's runner).
+
+    FULL       the whole step in one graph: the token gather, the model with its attention, and sampling
+               (cuda_graphs.DecodeGraphs over the persistent input batch). The device lane's steps.
+    PIECEWISE  graphs around attention that the GPU does not do alone: the host lane's steps, whose host kernel
+               runs between stream gates inside the step's graph, split rows' device parts included where they
+               were captured (host_step_graphs.py); and device-lane steps where the attention backend cannot be
+               captured (the torch backend: graphs between attention calls, DecodeGraphs.run).
+    NONE       eager: CPU devices, enforce_eager, batches past the largest bucket, split rows wider than the
+               captured device tables. Prefill always runs eagerly and is not dispatched.
+
+Descriptors are frozen and hashable: `counts` keeps how many steps ran under each (tests and benchmarks read it).
+"""
+import enum
+from collections import Counter
+from dataclasses import dataclass
+
+
+class GraphMode(enum.Enum):
+    FULL = "full"
+    PIECEWISE = "piecewise"
+    NONE = "none"
+
+
+@dataclass(frozen=True)
+class BatchDescriptor:
+    lane: str  # "device" or "host"
+    rows: int  # the graph bucket the step's rows run in (the rows themselves under NONE)
+    split_rows: bool  # some row attends over both tiers (host lane)
+
+
+class GraphDispatcher:
+    def __init__(self, graphs: dict):
+        """graphs: lane -> its DecodeGraphs or HostStepGraphs (ModelRunner.decode_graphs); no entry: eager."""
+        self.graphs = graphs
+        self.counts: Counter = Counter()  # (mode, descriptor) -> steps
+
+    def dispatch(self, lane: str, rows: int, meta=None) -> tuple[GraphMode, BatchDescriptor]:
+        """meta: the step's AttentionMetadata where it is built before dispatch (the host lane), else None."""
+        graphs = self.graphs.get(lane)
+        split = lane == "host" and meta is not None and meta.has_gpu_rows
+        if graphs is None or rows > graphs.buckets[-1] or (lane == "host" and not graphs.fits(rows, meta)):
+            mode, size = GraphMode.NONE, rows
+        else:
+            size = next(b for b in graphs.buckets if b >= rows)
+            mode = GraphMode.FULL if lane == "device" and graphs.whole_steps else GraphMode.PIECEWISE
+        descriptor = BatchDescriptor(lane, size, split)
+        self.counts[(mode, descriptor)] += 1
+        return mode, descriptor
+
+    def steps(self, lane: str, mode: GraphMode) -> int:
+        """Steps of `lane` that ran under `mode`."""
+        return sum(n for (m, d), n in self.counts.items() if m == mode and d.lane == lane)
