@@ -93,6 +93,7 @@ class DecodeInputBatch:
         slots[:count] = self.table[np.arange(count), pos // size].astype(np.int64) * size + pos % size
         context[:count] = pos + 1
         slots[count:padded], context[count:padded] = -1, 0
+        host("host_tokens")[count:padded] = 0  # padding rows embed some real token, never a pending one's -1
         self._write_feed(host("feed"), host("host_tokens"), count, padded, in_flight)
         self._write_sampling(parity, count, padded, settings)
         columns = max(1, int(self.num_blocks[:count].max(initial=1)))

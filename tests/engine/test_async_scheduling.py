@@ -139,6 +139,12 @@ def test_pending_tokens_are_taken_from_the_step_in_flight_on_the_device():
     batch.place([a, b, c])
     batch.prepare(3, in_flight)
     assert batch.gather_tokens(3).tolist() == [333, b.token_ids[-1], 111]
+    # b leaves: the padding rows of a larger graph bucket read valid token ids, never a pending row's -1
+    batch.place([a, c])
+    batch.prepare(3, in_flight)
+    batch.place([a, c])
+    batch.prepare(4, in_flight)
+    assert (batch.gather_tokens(4) >= 0).all()
     with pytest.raises(RuntimeError, match="pending"):
         batch.prepare(3, None)
 
