@@ -162,6 +162,8 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=512)
     parser.add_argument("--skip-hf", action="store_true")
     parser.add_argument("--unfused", action="store_true", help="also time the steps without the fused kernels")
+    parser.add_argument("--unfused-kernels", default="",
+                        help="with --unfused: leave out only these fused kernels (comma-separated, layers/fused.py)")
     parser.add_argument("--skip-a", action="store_true")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out-dir", default=None)
@@ -175,9 +177,14 @@ def main() -> None:
     result["steps"], kv_bytes, weights = step_grid(path, batches, contexts, args.steps, hbm_gbps, (True, False), "")
     result.update(weight_bytes=weights, kv_bytes_per_token=kv_bytes)
     if args.unfused:  # the same grid without the fused kernels (layers/fused.py), async on: what fusing pays
-        fused.ENABLED = False
+        left_out = {k for k in args.unfused_kernels.split(",") if k}
+        if left_out:
+            fused.DISABLED.update(left_out)
+        else:
+            fused.ENABLED = False
         unfused, _, _ = step_grid(path, batches, contexts, args.steps, hbm_gbps, (True,), " unfused")
-        fused.ENABLED = True
+        fused.ENABLED, result["unfused_kernels"] = True, sorted(left_out) or "all"
+        fused.DISABLED.clear()
         for row, other in zip(result["steps"], unfused):
             row["unfused_gpu_ms"], row["unfused_wall_ms"] = other["gpu_ms"], other["wall_ms"]
 

@@ -32,7 +32,7 @@ class RotaryEmbedding(nn.Module):
     def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
         """q and k normalized per head (Qwen3's q_norm and k_norm, RMSNorm modules, or None) and rotated. On CUDA
         one fused kernel per tensor (kernels/rotary.py) instead of ~17 launches each."""
-        if use_fused(q):
+        if use_fused(q, "norm_rope"):
             from kernels import norm_rope
 
             fused = lambda x, norm: norm_rope(x, positions, self.cos, self.sin, None if norm is None else norm.weight,
