@@ -28,7 +28,6 @@ class SampledIdBuffers:
 class DeferredTokens:
     def __init__(self, seqs: list[Sequence], sampled: torch.Tensor, host: torch.Tensor):
         self.seqs = seqs  # in the step's row order
-        self.sampled = sampled  # int64 [rows], on the device until the lane's next step overwrites them
         self.row_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
         self.positions = [len(seq) for seq in seqs]  # where each sampled token goes in its sequence
         self.launched = time.perf_counter()

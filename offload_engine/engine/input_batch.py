@@ -84,17 +84,18 @@ class DecodeInputBatch:
         host = lambda name: self.inputs.host(parity, name)
         count = len(self.rows)
         positions, slots, context = host("positions"), host("slot_mapping"), host("context_lens")
+        tokens = host("host_tokens")
         for row, seq in enumerate(self.rows):
             self._sync_table(row, seq)
             positions[row] = len(seq) - 1
-            host("host_tokens")[row] = seq.token_ids[-1]
+            tokens[row] = seq.token_ids[-1]
         size = self.block_size
         pos = positions[:count]
         slots[:count] = self.table[np.arange(count), pos // size].astype(np.int64) * size + pos % size
         context[:count] = pos + 1
         slots[count:padded], context[count:padded] = -1, 0
-        host("host_tokens")[count:padded] = 0  # padding rows embed some real token, never a pending one's -1
-        self._write_feed(host("feed"), host("host_tokens"), count, padded, in_flight)
+        tokens[count:padded] = 0  # padding rows embed some real token, never a pending one's -1
+        self._write_feed(host("feed"), tokens, count, padded, in_flight)
         self._write_sampling(parity, count, padded, settings)
         columns = max(1, int(self.num_blocks[:count].max(initial=1)))
         host("table_window")[: padded * columns].reshape(padded, columns)[:count] = self.table[:count, :columns]
@@ -108,8 +109,8 @@ class DecodeInputBatch:
 
     def _write_feed(self, feed: np.ndarray, tokens: np.ndarray, count: int, padded: int, in_flight) -> None:
         feed[:padded] = -1
-        pending = [row for row in range(count) if tokens[row] == PENDING_TOKEN]
-        if pending and in_flight is None:
+        pending = np.flatnonzero(tokens[:count] == PENDING_TOKEN)
+        if len(pending) and in_flight is None:
             raise RuntimeError("a row's newest token is pending but no device step is in flight")
         for row in pending:
             feed[row] = in_flight.row_of[self.rows[row].seq_id]
