@@ -38,6 +38,9 @@ GPU_HEADER := import datetime, torch, triton; \
 	print(f"\# make test-gpu, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, " \
 	f"{torch.cuda.get_device_name()}, torch {torch.__version__}, triton {triton.__version__}")
 
+# GPU_TESTS: what pytest runs (all of tests/ by default); a part, e.g. GPU_TESTS="tests --ignore=tests/engine", lets
+# the suite run in pieces where one command has a time limit.
+GPU_TESTS ?= tests
 test-gpu: SHELL := /bin/bash
 test-gpu:
 	@[ -n "$(HAS_NVIDIA)" ] || { echo "make test-gpu needs an NVIDIA GPU, and nvidia-smi -L finds none" \
@@ -46,7 +49,7 @@ test-gpu:
 	@set -o pipefail; \
 	out=benchmarks/results/$$($(PY) -c '$(GPU_SLUG)')/gpu_tests.txt && mkdir -p "$$(dirname "$$out")" && \
 	$(PY) -c '$(GPU_HEADER)' > "$$out" || exit 1; \
-	OFFLOAD_ENGINE_TEST_DEVICE=cuda $(PY) -m pytest -v -rs tests 2>&1 | tee -a "$$out"; \
+	OFFLOAD_ENGINE_TEST_DEVICE=cuda $(PY) -m pytest -v -rs $(GPU_TESTS) 2>&1 | tee -a "$$out"; \
 	status=$$?; echo "make test-gpu: pytest exited $$status, output in $$out"; exit $$status
 
 bench: $(STAMP)

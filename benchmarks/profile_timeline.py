@@ -54,6 +54,8 @@ def take(self, wait):
 llm_engine.LLMEngine._take_host_step = take
 orig_run = model_runner.ModelRunner.run
 def run(self, seqs, is_prefill, lane="device"):
+    if is_prefill and lane == "device" and gpu_events and gpu_events[-1] is not None:
+        gpu_events.append(None)  # the next decode step's gap holds this prefill: not counted
     t = time.perf_counter()
     try: return orig_run(self, seqs, is_prefill, lane)
     finally:
@@ -63,6 +65,55 @@ def run(self, seqs, is_prefill, lane="device"):
                           sum(s.num_scheduled_tokens for s in seqs if s.location == model_runner.BlockLocation.CPU)
                           if is_prefill else 0))
 model_runner.ModelRunner.run = run
+# Per device-lane decode step, CUDA events on its stream around its queued work: the GPU's time on the step, and
+# the gap before it in which the GPU waited for the host (async scheduling hides the host's work only while it is
+# shorter than the GPU's). Tagged with the step's rows and whether a host-lane step was in flight.
+from offload_engine.engine import device_decode
+gpu_events, engines = [], []
+orig_launch = device_decode.DeviceLaneDecode.launch
+def launch(self, seqs, *a, **k):
+    import torch
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    begin.record()
+    try: return orig_launch(self, seqs, *a, **k)
+    finally:
+        end.record()
+        gpu_events.append((len(seqs), bool(engines and engines[0].in_flight is not None), begin, end, time.perf_counter()))
+if __import__("torch").cuda.is_available(): device_decode.DeviceLaneDecode.launch = launch
+# Where the engine thread's time goes in its slow steps (> 3 ms, where the GPU's ~2 queued ms run out) against
+# the rest: each phase of LLMEngine._step timed, summed per kind of step.
+move_calls = []  # (promote or demote, start, seconds) on the engine's thread
+phase_now, phase_slow, phase_fast, slow_steps = collections.Counter(), collections.Counter(), collections.Counter(), [0, 0]
+def phase(owner, name):
+    original = getattr(owner, name)
+    def wrapper(*a, **k):
+        t = time.perf_counter()
+        try: return original(*a, **k)
+        finally:
+            if __import__("threading").current_thread() is __import__("threading").main_thread():
+                phase_now[name] += time.perf_counter() - t
+                if name in ("promote", "demote"): move_calls.append((name, round(t, 5), round(time.perf_counter() - t, 5)))
+    setattr(owner, name, wrapper)
+from offload_engine.engine import scheduler as scheduler_mod
+for name in ("_take_host_step", "_land_promotions", "_promote", "_start_host_step", "_resolve_device_step"):
+    phase(llm_engine.LLMEngine, name)
+for name in ("schedule_promotions", "schedule_prefill", "promotion_hold_back", "host_step_pays", "schedule_decode",
+             "launched", "postprocess", "resolve", "take_demotions"):
+    phase(scheduler_mod.Scheduler, name)
+for name in ("run", "demote", "promote"):
+    phase(model_runner.ModelRunner, name)
+orig_step = llm_engine.LLMEngine._step
+def engine_step(self):
+    if not engines: engines.append(self)
+    phase_now.clear()
+    t = time.perf_counter()
+    try: return orig_step(self)
+    finally:
+        total = time.perf_counter() - t
+        phase_now["total"] += total
+        (phase_slow if total > 0.003 else phase_fast).update(phase_now)
+        slow_steps[total > 0.003] += 1
+llm_engine.LLMEngine._step = engine_step
 parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
 parser.add_argument("placement", choices=("gpu", "auto", "cpu"))
 parser.add_argument("--model", default="qwen3-0.6b")
@@ -71,7 +122,10 @@ parser.add_argument("--prompt-len", type=int, default=1024)
 parser.add_argument("--output-len", type=int, default=1024)
 parser.add_argument("--num-gpu-blocks", type=int, default=1024)
 parser.add_argument("--tag", default="", help="appended to the output file's name")
+parser.add_argument("--switch-interval", type=float, default=None, help="Python's GIL switch interval (seconds) for the run")
 args = parser.parse_args()
+if args.switch_interval is not None:
+    __import__("sys").setswitchinterval(args.switch_interval)
 placement = args.placement
 vocab = 400 if args.model == "tiny" else 10000  # random ids below every model's vocabulary
 r = measure(model_dir(args.model, "/tmp/offload_engine_models"), random_prompts([args.prompt_len] * args.num_seqs, vocab),
@@ -92,6 +146,27 @@ n = len(dec); summary["batch_deciles"] = [round(statistics.mean(s[2] for s in de
 summary["step_ms_idle_busy"] = {
     b: [round(1e3 * statistics.median(timed_steps[(b, busy)]), 2) if len(timed_steps[(b, busy)]) > 10 else None
         for busy in (False, True)] for b in sorted({b for b, _ in timed_steps})}
+summary["engine_phases_ms"] = {"slow_steps": slow_steps[1], "fast_steps": slow_steps[0],
+                               "slow": {k: round(1e3 * v, 1) for k, v in phase_slow.most_common()},
+                               "fast": {k: round(1e3 * v, 1) for k, v in phase_fast.most_common()}}
+if gpu_events:
+    per = collections.defaultdict(lambda: ([], []))  # (rows, busy) -> (GPU ms, gap ms before it)
+    all_gpu, all_gap, step_gpu_ms = [], [], []
+    for before, after in zip(gpu_events, gpu_events[1:]):
+        if before is None or after is None: continue
+        (_, _, _, prev_end, _), (rows, busy, begin, end, launched) = before, after
+        gpu_ms, gap_ms = begin.elapsed_time(end), max(0.0, prev_end.elapsed_time(begin))
+        if gap_ms < 50:  # not across a prefill or an idle device lane
+            per[(rows, busy)][0].append(gpu_ms); per[(rows, busy)][1].append(gap_ms)
+            all_gpu.append(gpu_ms); all_gap.append(gap_ms)
+            step_gpu_ms.append((round(launched, 5), rows, busy, round(gpu_ms, 3)))
+    typical = statistics.median(all_gpu)
+    summary["gpu_totals_ms"] = {"steps": len(all_gpu), "gpu": round(sum(all_gpu)), "gaps": round(sum(all_gap)),
+                                "gpu_over_1.5x_median": round(sum(g - typical for g in all_gpu if g > 1.5 * typical)),
+                                "steps_over_1.5x_median": sum(g > 1.5 * typical for g in all_gpu)}
+    summary["gpu_ms_gap_ms_idle_busy"] = {
+        b: [[round(statistics.median(per[(b, busy)][i]), 3) for i in (0, 1)] if len(per[(b, busy)][0]) > 10 else None
+            for busy in (False, True)] for b in sorted({b for b, _ in per})}
 if host_steps:
     m = len(host_steps)
     sl = [host_steps[i * m // 10:(i + 1) * m // 10] for i in range(10)]
@@ -104,6 +179,7 @@ if host_steps:
                        "work_gbps_deciles": [round(sum(h[2] for h in x) / sum(h[4] for h in x) / 1e9, 1) for x in sl if x]}
 print(json.dumps(summary))
 with open(os.path.join(os.environ.get("OUT", "."), f"timeline_{placement}{'_' + args.tag if args.tag else ''}.json"), "w") as f:
-    json.dump({"summary": summary, "result": r, "host_steps": host_steps,
+    json.dump({"summary": summary, "result": r, "host_steps": host_steps, "move_calls": move_calls,
+               "step_gpu_ms": step_gpu_ms if gpu_events else [],
                "device_steps": [(round(t, 4), p, rows, round(sec, 5), tokens, host_tokens)
                                 for t, p, rows, sec, tokens, host_tokens in steps]}, f)

@@ -11,8 +11,8 @@ weights; `wait_pinned()` joins it. The pool is usable before that: nothing copie
 engine's first step.
 
 Where the device can address registered host memory by its host pointer (every 64-bit Linux CUDA host with
-unified addressing), `device_layers()` gives the same K and V as CUDA tensors: kernels read them over PCIe with
-no copy staged on the host (promotion, kv_promotion.py).
+unified addressing), `device_stacked()` gives the same memory as a CUDA tensor: kernels read and write it over PCIe
+with no copy staged on the host (promotion and demotion, kv_promotion.py and kv_demotion.py).
 
 Release order matters: the registration must go before the memory does, or the next mapping at the same
 address cannot be pinned. `close()` unpins at once, and a finalizer does the same if the pool is dropped
@@ -72,7 +72,7 @@ class HostKVPool:
 
             index = pin_device.index if pin_device.index is not None else torch.cuda.current_device()
             self._pinning = HostPinning(flat.data_ptr(), self.nbytes, index)
-        self._flat, self._device_layers = flat, None
+        self._flat, self._device_stacked = flat, None
         # The finalizer holds the flat tensor, so the memory cannot be freed before it has been unpinned.
         self._finalizer = weakref.finalize(self, _unpin, self._pinning, flat)
 
@@ -84,19 +84,18 @@ class HostKVPool:
         """Blocks until pinning has finished; returns the seconds it took (0 when not pinned)."""
         return self._pinning.wait() if self._pinning is not None else 0.0
 
-    def device_layers(self) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """Every layer's K and V as CUDA tensors over this pinned memory, or None where that is not possible (not
-        pinned, or a device that cannot use the host pointer). They own nothing: valid until close()."""
-        if self._device_layers is None and self.pinned and self._pinning.driver.can_use_host_pointer(
+    def device_stacked(self) -> torch.Tensor | None:
+        """`stacked` as a CUDA tensor over this pinned memory, or None where that is not possible (not pinned, or
+        a device that cannot use the host pointer). It owns nothing: valid until close()."""
+        if self._device_stacked is None and self.pinned and self._pinning.driver.can_use_host_pointer(
                 self._pinning.device_index):
             flat = _cuda_alias(self._flat, self._pinning.device_index)
-            self._device_layers = [tuple(flat[view.storage_offset():][: view.numel()].view(view.shape)
-                                         for view in layer) for layer in self.layers]
-        return self._device_layers
+            self._device_stacked = flat.view(self.stacked.shape)
+        return self._device_stacked
 
     def close(self) -> None:
         """Unpins now (idempotent); the memory goes once nothing else holds a view of it."""
-        self._device_layers = self._flat = None
+        self._device_stacked = self._flat = None
         self._finalizer()
         self.layers, self.stacked = [], None
 

@@ -6,13 +6,18 @@ on decoding in the host lane. Its KV crosses PCIe once.
 
 On the device, the sequences' tokens are gathered from their token-major slots and laid out as the host
 tier's head-major blocks (one padded host block per `cpu_block_size` tokens). Then, two ways across:
-- `write_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_layers): the device writes
-  the blocks straight into the host pool over PCIe, on the device lane's stream. The engine's thread only
-  queues the kernels; the runner records when they are done, and the host lane and every other reader of
-  host blocks waits for that (ModelRunner.demote). The staged way below took 47 ms of the engine's thread a
-  demotion on the H100 host (8B, ~2k tokens each, 106 demotions: 5.0 s of a 41 s run; 2026-11-22,
-  profile_timeline.py), waiting for staging slots whose host halves the executor frees only after the host
-  lane's step, which holds it from start to end.
+- `write_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_stacked): on the device lane's
+  stream, the device gathers the tokens into host-block layout and writes them straight into the host pool
+  over PCIe, a batch of layers per kernel (per layer it was ~280 launches; kv_promotion.py gives the time
+  saved). The engine's thread only queues them; the runner records when they are done, and the host lane and
+  every other reader of host blocks waits for that (ModelRunner.demote). Tried and dropped: the writes on the
+  "moves" stream beside the device lane's next steps, by a Triton copy on 8 SMs. Those steps took ~2.4 ms more
+  GPU time in all after each demotion, as on the lane's own stream with torch's all-SM copy (Qwen3-0.6B, ~1.5k
+  tokens each, H100 host, 2026-11-23, benchmarks/profile_timeline.py): neither the queueing nor the SMs are
+  what costs. On the lane's stream the writes are ordered before the step that reuses the freed blocks.
+  The staged way below took 47 ms of the engine's thread a demotion on the H100 host (8B, ~2k tokens each, 106
+  demotions: 5.0 s of a 41 s run; 2026-11-22), waiting for staging slots whose host halves the executor frees
+  only after the host lane's step, which holds it from start to end.
 - `copy_to_host` (any device): per group of layers, one copy takes the blocks to a staging slot's pinned half,
   and on the host executor numba scatters them into the sequences' host blocks. That joins the executor's
   queue, which every later reader of those host blocks (host decode, prefix staging, promotion) also goes
@@ -40,24 +45,49 @@ def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_layers, host_la
             for write in _copy_batch(batch, device_layers, host_layers, executor, device_block_size, staging)]
 
 
-def write_mapped(moves: list[tuple[Sequence, list[int]]], device_layers, mapped_layers, device_block_size: int) -> None:
-    """moves as copy_to_host's; mapped_layers: the host pool's (K, V) per layer as tensors on the device.
-    Returns once the writes are queued on the current stream: nothing may read the host blocks before they
-    have run (ModelRunner.demote records when)."""
-    _, num_kv_heads, host_block_size, head_dim = mapped_layers[0][0].shape
-    device = device_layers[0][0].device
-    slots, rows, targets = _plan(moves, host_block_size, device_block_size)
-    slots, rows, targets = (torch.from_numpy(x).to(device, non_blocking=True) for x in (slots, rows, targets))
-    staged = torch.empty((1, 2, len(targets), num_kv_heads, host_block_size, head_dim),
-                         dtype=mapped_layers[0][0].dtype, device=device)
-    token_rows = _padded_token_rows(staged)
-    for layer in range(len(device_layers)):
-        _stage_on_device(device_layers, range(layer, layer + 1), slots, rows, staged, token_rows)
-        for j, cache in enumerate(mapped_layers[layer]):
-            cache.index_copy_(0, targets, staged[0, j])
+def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.Tensor, mapped_stacked: torch.Tensor,
+                 device_block_size: int, upload=None) -> None:
+    """moves as copy_to_host's; device_stacked: the device pool, [L, 2, blocks, block_size, Hkv, D];
+    mapped_stacked: the host pool as a tensor on the device, [L, 2, blocks, Hkv, host block size, D]. A batch of
+    layers at a time (GROUP_BYTES), three kernels gather the tokens into host-block layout and one writes them
+    across PCIe. Returns once they are queued on the current stream: nothing may read the host blocks before
+    they have run (ModelRunner.demote records when). upload(array) -> its copy on the device
+    (PinnedRing.upload); by default a plain copy."""
+    num_layers, _, _, num_kv_heads, host_block_size, head_dim = mapped_stacked.shape
+    device = device_stacked.device
+    upload = upload or (lambda array: torch.from_numpy(array).to(device))
+    slots, pad_rows, targets = map(upload, _plan(moves, host_block_size, device_block_size))
+    token_slots = device_stacked.flatten(2, 3)  # [L, 2, blocks * block_size, Hkv, D]
+    layer_bytes = 2 * slots.numel() * num_kv_heads * head_dim * mapped_stacked.element_size()
+    group = max(1, GROUP_BYTES // max(1, layer_bytes))
+    for first in range(0, num_layers, group):
+        layers = slice(first, min(first + group, num_layers))
+        tokens = token_slots[layers].index_select(2, slots)
+        if pad_rows.numel():
+            tokens.index_fill_(2, pad_rows, 0)
+        count = tokens.shape[0]
+        # [layers, 2, host blocks, Hkv, host block size, D]
+        staged = tokens.view(count, 2, len(targets), host_block_size, num_kv_heads, head_dim).transpose(3, 4)
+        mapped_stacked[layers].index_copy_(2, targets, staged.contiguous())
 
 
 def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For every row of the host blocks written, in order, the device slot it is read from (a padding row reads
+    its sequence's first slot, and is then zeroed); the padding rows; the host blocks in order."""
+    slots, pad_rows, targets = [], [], []
+    for seq, device_blocks in moves:
+        num_tokens = seq.num_computed_tokens
+        num_blocks = -(-num_tokens // host_block_size)
+        first_row, padding = len(targets) * host_block_size, num_blocks * host_block_size - num_tokens
+        seq_slots = slots_for(device_blocks, device_block_size, 0, num_tokens)
+        slots += [seq_slots, np.full(padding, seq_slots[0], dtype=seq_slots.dtype)]
+        pad_rows.append(first_row + num_tokens + np.arange(padding))
+        targets += seq.block_table[:num_blocks]
+    return (np.concatenate(slots).astype(np.int64), np.concatenate(pad_rows).astype(np.int64),
+            np.array(targets, dtype=np.int64))
+
+
+def _staged_plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Each moved token's device slot, its row among the staged host blocks, and the host blocks in order."""
     slots, rows, targets = [], [], []
     for seq, device_blocks in moves:
@@ -72,7 +102,7 @@ def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarr
 def _copy_batch(moves, device_layers, host_layers, executor, device_block_size: int, staging: MoveStaging) -> list:
     _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
     device = device_layers[0][0].device
-    slots, rows, targets = _plan(moves, host_block_size, device_block_size)
+    slots, rows, targets = _staged_plan(moves, host_block_size, device_block_size)
     slots = torch.from_numpy(slots).to(device, non_blocking=True)
     rows = torch.from_numpy(rows).to(device, non_blocking=True)
     targets = torch.from_numpy(targets)

@@ -4,13 +4,16 @@ Promotion (engine/placement.py says when) moves a decoding host-tier sequence in
 crosses PCIe once (~55 GB/s pinned on the H200 host, about what one host decode step of it reads), and from
 then on every step of it runs at device speed.
 
-Two ways across, both ending in the device backend's `store_kvcache`, which writes token-major rows into the
-new slots after a transpose from the host tier's head-major blocks:
-- `read_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_layers): kernels on the device
-  lane's stream gather the blocks straight from host memory over PCIe. The engine's thread only queues them,
-  and nothing on the host copies. The staged way below took ~17 ms of that thread per promotion on the H100
-  host, waiting for the executor's gather and for the staging slots' copies behind the device lane's step
-  (benchmarks/profile_timeline.py, 2026-11-22).
+Two ways across, both writing token-major rows into the new slots after a transpose from the host tier's
+head-major blocks:
+- `read_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_stacked): kernels on the "moves"
+  stream gather the blocks straight from host memory over PCIe, a batch of layers per kernel (three launches a
+  batch instead of ~150 per layer: 1.2 ms of the engine's thread a promotion instead of 1.4, and 1.7-1.8 ms a
+  demotion instead of 2.1; Qwen3-0.6B, ~1.5k tokens, H100 host, 2026-11-23). The engine's thread only queues
+  them, and nothing on the host copies.
+  The staged way below took ~17 ms of that thread per promotion on the H100 host, waiting for the executor's
+  gather and for the staging slots' copies behind the device lane's step (benchmarks/profile_timeline.py,
+  2026-11-22). It ends in the device backend's `store_kvcache`.
 - `copy_to_device` (any device): per group of layers, the blocks are gathered into a pinned staging slot
   (numba, on the host executor: see cpu_attention/gather.py for why not a torch CPU op) and cross in one copy.
   Slots come from MoveStaging, reused for every move.
@@ -26,19 +29,28 @@ from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for
 
 
-def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_layers, device_layers, store_kvcache,
-                device_block_size: int) -> None:
-    """moves as copy_to_device's; mapped_layers: the host pool's (K, V) per layer as tensors on the device.
-    Returns once the reads are queued on the current stream: the host blocks must not be written before they
-    have run (ModelRunner.promote records when)."""
-    host_block_size, device = mapped_layers[0][0].shape[2], device_layers[0][0].device
+def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_stacked: torch.Tensor, device_stacked: torch.Tensor,
+                device_block_size: int, upload=None) -> None:
+    """moves as copy_to_device's; mapped_stacked: the host pool as a tensor on the device, [L, 2, blocks, Hkv,
+    host block size, D]; device_stacked: the device pool, [L, 2, blocks, block_size, Hkv, D]. A batch of layers
+    at a time (GROUP_BYTES of KV), one kernel reads the blocks across PCIe and two more put the tokens into
+    their new slots. Returns once the reads are queued on the current stream: the host blocks must not be
+    written before they have run (ModelRunner.promote records when). upload(array) -> its copy on the device
+    (PinnedRing.upload); by default a plain copy."""
+    num_layers, _, _, num_kv_heads, host_block_size, head_dim = mapped_stacked.shape
+    device = device_stacked.device
+    upload = upload or (lambda array: torch.from_numpy(array).to(device))
     sources, rows, slots = _plan(moves, host_block_size, device_block_size)
-    source = torch.tensor(sources, dtype=torch.int64).to(device, non_blocking=True)
-    rows = torch.from_numpy(rows).to(device, non_blocking=True)
-    slots = torch.from_numpy(slots).to(device, non_blocking=True)
-    for layer, caches in enumerate(mapped_layers):
-        k, v = (_token_rows(cache.index_select(0, source), rows) for cache in caches)
-        store_kvcache(k, v, *device_layers[layer], slots)
+    source, rows, slots = map(upload, (np.array(sources, dtype=np.int64), rows, slots))
+    token_slots = device_stacked.flatten(2, 3)  # [L, 2, blocks * block_size, Hkv, D]
+    layer_bytes = 2 * len(sources) * host_block_size * num_kv_heads * head_dim * mapped_stacked.element_size()
+    group = max(1, GROUP_BYTES // max(1, layer_bytes))
+    for first in range(0, num_layers, group):
+        layers = slice(first, min(first + group, num_layers))
+        blocks = mapped_stacked[layers].index_select(2, source)  # [layers, 2, blocks, Hkv, host block size, D]
+        count = blocks.shape[0]
+        tokens = blocks.transpose(3, 4).reshape(count, 2, -1, num_kv_heads, head_dim).index_select(2, rows)
+        token_slots[layers].index_copy_(2, slots, tokens)
 
 
 def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[list[int], np.ndarray, np.ndarray]:

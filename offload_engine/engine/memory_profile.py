@@ -6,6 +6,7 @@ already on the card, is subtracted from total memory x gpu_memory_utilization. T
 """
 import torch
 
+from offload_engine.engine.model_runner import layer_views
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.sampler import largest_sampling_step, sample
 from offload_engine.sampling_params import SamplingParams
@@ -23,8 +24,8 @@ def profile_free_kv_bytes(runner) -> int:
     seq_len = min(runner.max_model_len, cfg.max_num_batched_tokens)
     num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // seq_len))
     pool = runner.allocate_device_pool(num_seqs * -(-seq_len // cfg.block_size))
-    pool_bytes = sum(k.nbytes + v.nbytes for k, v in pool)
-    runner.bind_kv_caches(pool, None)
+    pool_bytes = pool.nbytes
+    runner.bind_kv_caches(layer_views(pool), None)
     run_dummy_prefill(runner, num_seqs, seq_len)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated() - allocated_before - pool_bytes

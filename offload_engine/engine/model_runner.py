@@ -29,7 +29,7 @@ class ModelRunner:
         self.cfg, self.model_cfg, self.dtype = cfg, model_cfg, dtype
         self.device = cfg.torch_device
         self.max_model_len = max_model_len
-        self.model = self.backend = self.device_pool = self.host_pool = self.executor = None
+        self.model = self.backend = self.device_pool = self.device_stacked = self.host_pool = self.executor = None
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.segment_tokens = 0
         self.decode_graphs: dict = {}
@@ -68,7 +68,8 @@ class ModelRunner:
                                               self.cfg.block_size, self.device)
         self.startup_seconds["weights"] = time.perf_counter() - began
         self.num_gpu_blocks = self._size_device_pool()
-        self.device_pool = self.allocate_device_pool(self.num_gpu_blocks)
+        self.device_stacked = self.allocate_device_pool(self.num_gpu_blocks)
+        self.device_pool = layer_views(self.device_stacked)
         if self.host_pool is not None:
             # Before graph capture: page-locking from another thread would break a capture in progress.
             self.startup_seconds["pin"] = self.host_pool.wait_pinned()
@@ -133,11 +134,12 @@ class ModelRunner:
                              "gpu_memory_utilization, lower max_num_batched_tokens, or set num_gpu_blocks")
         return min(blocks, self._wanted_blocks(self.cfg.block_size))  # more could never be used at once
 
-    def allocate_device_pool(self, num_blocks: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def allocate_device_pool(self, num_blocks: int) -> torch.Tensor:
+        """Every layer's K and V in one tensor, [L, 2, blocks, block_size, Hkv, D] (layer_views gives them one by
+        one): moves between the tiers take a batch of layers per kernel (kv_demotion.py, kv_promotion.py)."""
         cfg = self.model_cfg
-        shape = (num_blocks, self.cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return [(torch.empty(shape, dtype=self.dtype, device=self.device),
-                 torch.empty(shape, dtype=self.dtype, device=self.device)) for _ in range(cfg.num_layers)]
+        shape = (cfg.num_layers, 2, num_blocks, self.cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _make_host_tier(self):
         wants_host = self.cfg.kv_placement != "gpu" or self.cfg.num_cpu_blocks or self.cfg.cpu_kv_cache_gb
@@ -210,7 +212,7 @@ class ModelRunner:
         or to finish host-pool writes queued there first (promote waits for those)."""
         if not self.host_step_holds_executor:
             return True
-        return self.host_pool.device_layers() is not None
+        return self.host_pool.device_stacked() is not None
 
     def host_writes_pending(self) -> bool:
         return not all(write.done() for write in self._host_writes)
@@ -239,7 +241,7 @@ class ModelRunner:
         if self.host_pool is not None:
             self.host_pool.close()  # unpinned before the memory can go
             self.host_pool = None
-        self.device_pool = self.model = None
+        self.device_pool = self.device_stacked = self.model = None
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
 
@@ -256,17 +258,19 @@ class ModelRunner:
         when this returns, and it returns None."""
         from offload_engine.engine.kv_promotion import copy_to_device, read_mapped
 
-        mapped = self.host_pool.device_layers()
+        mapped = self.host_pool.device_stacked()
         if mapped is None:
             with torch.inference_mode(), self._lane_stream("device"):
                 copy_to_device(moves, self.host_pool.layers, self.device_pool, self.executor,
                                self.backend.store_kvcache, self.cfg.block_size, self.move_staging)
             return None
-        self.check_host_writes(wait=True)  # demotions' and prefills' writes into these blocks have landed
+        # Host-pool writes on the executor into these blocks have finished. Demotions' direct writes need no wait
+        # on this thread: they are on the device lane's stream, which the reads below wait for on the device.
+        self._settle_executor_writes()
         with torch.inference_mode(), torch.cuda.stream(self.moves_stream):
             # The new device blocks were freed by rows that steps queued on the device lane may still read.
             self.moves_stream.wait_stream(self.streams["device"])
-            read_mapped(moves, mapped, self.device_pool, self.backend.store_kvcache, self.cfg.block_size)
+            read_mapped(moves, mapped, self.device_stacked, self.cfg.block_size, self._upload)
             self._promotion_reads = torch.cuda.Event()
             self._promotion_reads.record()
         return self._promotion_reads
@@ -283,14 +287,14 @@ class ModelRunner:
         on the executor, in front of every such reader (engine/kv_demotion.py)."""
         from offload_engine.engine.kv_demotion import copy_to_host, write_mapped
 
-        mapped = self.host_pool.device_layers()
+        mapped = self.host_pool.device_stacked()
         with torch.inference_mode(), self._lane_stream("device"):
             self._after_promotion_reads()  # the host blocks written here may be ones a promotion still reads
             if mapped is None:
                 self._host_writes += copy_to_host(moves, self.device_pool, self.host_pool.layers, self.executor,
                                                   self.cfg.block_size, self.move_staging)
                 return
-            write_mapped(moves, self.device_pool, mapped, self.cfg.block_size)
+            write_mapped(moves, self.device_stacked, mapped, self.cfg.block_size, self._upload)
             self._demotion_writes = torch.cuda.Event()
             self._demotion_writes.record()
 
@@ -307,6 +311,16 @@ class ModelRunner:
         reads = self._promotion_reads
         if reads is not None:
             reads.synchronize()
+
+    def _upload(self, array):
+        """A move's index list on the device, through the pinned ring (PinnedRing.upload says why)."""
+        return self.ring.upload(array, self.device)
+
+    def _settle_executor_writes(self) -> None:
+        """Waits for the host-pool writes queued on the executor so far, raising the first that failed."""
+        pending, self._host_writes = self._host_writes, []
+        for write in pending:
+            write.result()
 
     def check_host_writes(self, wait: bool = False) -> None:
         """Raises the error of a host-pool write that failed on the executor; with wait, first lets all finish.
@@ -392,3 +406,8 @@ class ModelRunner:
         (engine/prefill_segment.py) -> the logits of its last token."""
         segment = segment_inputs(self.inputs, seq, self.cfg.max_num_batched_tokens)
         return self.model.compute_logits(run_segment(self.model, segment, self._host_writes))
+
+
+def layer_views(stacked: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) of a device pool from ModelRunner.allocate_device_pool."""
+    return [(layer[0], layer[1]) for layer in stacked]

@@ -8,11 +8,16 @@ it has seen, in every size. The ring never grows: a region is taken at the head,
 the oldest regions are waited for (their host write, or the copy that reads them) and reused. That wait is
 also the backpressure that bounds how far host writes may fall behind the device.
 
-Used from the engine's thread only (prefill runs there).
+The moves between the tiers upload their index lists through it too (`upload`): a copy from pageable memory
+may make the host wait for the stream to drain first, and a promotion or demotion that did so emptied the
+device lane's queue of steps.
+
+Used from the engine's thread only (prefill, promotions and demotions run there).
 """
 import math
 from collections import deque
 
+import numpy as np
 import torch
 
 RING_BYTES = 512 << 20
@@ -43,6 +48,16 @@ class PinnedRing:
         self.head = start + nbytes
         view = self.buffer[start : start + size].view(dtype).view(shape)
         return view, region
+
+    def upload(self, array: np.ndarray, device: torch.device) -> torch.Tensor:
+        """`array` on `device`, copied through the ring on the current stream without waiting for the stream."""
+        host, region = self.take(array.shape, torch.from_numpy(array[:0]).dtype)
+        host.numpy()[...] = array
+        on_device = host.to(device, non_blocking=True)
+        copied = torch.cuda.Event()
+        copied.record()
+        self.busy_until(region, copied)
+        return on_device
 
     @staticmethod
     def busy_until(region: list | None, done) -> None:

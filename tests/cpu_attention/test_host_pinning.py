@@ -111,9 +111,9 @@ def test_pool_pins_on_cuda_and_unpins_on_close():
 
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="needs the CUDA driver")
-def test_device_layers_are_the_pinned_pool_seen_from_the_device():
-    """Kernels read and write the pool itself through device_layers (promotion reads it so): random values
-    written on the host are what a device gather sees, and a device write lands in host memory."""
+def test_device_stacked_is_the_pinned_pool_seen_from_the_device():
+    """Kernels read and write the pool itself through device_stacked (promotion reads it, demotion writes it):
+    random values written on the host are what a device gather sees, and a device write lands in host memory."""
     pool = HostKVPool(num_layers=3, num_blocks=40, num_kv_heads=2, block_size=16, head_dim=32, dtype=torch.bfloat16,
                       pin_device=torch.device("cuda"))
     pool.wait_pinned()
@@ -121,15 +121,14 @@ def test_device_layers_are_the_pinned_pool_seen_from_the_device():
     for k, v in pool.layers:
         k.copy_(torch.randn(k.shape, generator=gen))
         v.copy_(torch.randn(v.shape, generator=gen))
-    mapped = pool.device_layers()
-    assert mapped is not None and len(mapped) == 3
+    mapped = pool.device_stacked()
+    assert mapped is not None and mapped.is_cuda and mapped.shape == pool.stacked.shape
     blocks = torch.tensor([39, 0, 17], device="cuda")
-    for (k, v), (k_dev, v_dev) in zip(pool.layers, mapped):
-        assert k_dev.is_cuda and k_dev.shape == k.shape and k_dev.dtype == k.dtype
-        assert torch.equal(k_dev.index_select(0, blocks).cpu(), k[[39, 0, 17]])
-        assert torch.equal(v_dev.index_select(0, blocks).cpu(), v[[39, 0, 17]])
-    mapped[2][1][5].fill_(1.5)
+    for layer, (k, v) in enumerate(pool.layers):
+        assert torch.equal(mapped[layer, 0].index_select(0, blocks).cpu(), k[[39, 0, 17]])
+        assert torch.equal(mapped[layer, 1].index_select(0, blocks).cpu(), v[[39, 0, 17]])
+    mapped[2, 1, 5].fill_(1.5)
     torch.cuda.synchronize()
     assert torch.all(pool.layers[2][1][5] == 1.5) and not torch.any(pool.layers[2][0][5] == 1.5)
     pool.close()
-    assert pool.device_layers() is None
+    assert pool.device_stacked() is None

@@ -17,17 +17,18 @@ GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Staged with a layer per group or every layer in one group, and written directly by the device (the pool's twin
-# on the test device stands in for the pinned pool that CUDA maps: HostKVPool.device_layers).
-@pytest.mark.parametrize("way", ["staged, group per layer", "staged, one group", "mapped"])
+# Staged or written directly by the device (the pool's twin on the test device stands in for the pinned pool
+# that CUDA maps: HostKVPool.device_stacked), with a layer per group or every layer in one group.
+@pytest.mark.parametrize("way", ["staged, group per layer", "staged, one group", "mapped, group per layer",
+                                 "mapped, one group"])
 def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatch):
-    group_bytes = 1 << 30 if way == "staged, one group" else 1
+    group_bytes = 1 << 30 if way.endswith("one group") else 1
     monkeypatch.setattr(kv_demotion, "GROUP_BYTES", group_bytes)
     monkeypatch.setattr(kv_promotion, "GROUP_BYTES", group_bytes)
     gen = torch.Generator().manual_seed(8)
     layers, hkv, d, host_bs, dev_bs = 3, 2, 8, 8, 4
-    device = [tuple(torch.randn(20, dev_bs, hkv, d, generator=gen).to(dtype).to(TEST_DEVICE) for _ in "kv")
-              for _ in range(layers)]
+    device_stacked = torch.randn(layers, 2, 20, dev_bs, hkv, d, generator=gen).to(dtype).to(TEST_DEVICE)
+    device = [(layer[0], layer[1]) for layer in device_stacked]  # as ModelRunner.allocate_device_pool lays it out
     original = [tuple(t.clone() for t in pair) for pair in device]
     host = [tuple(torch.full((12, hkv, host_bs, d), float("nan"), dtype=dtype) for _ in "kv") for _ in range(layers)]
     # Lengths at, just past and well inside block boundaries of both tiers; blocks shuffled in both pools.
@@ -39,12 +40,12 @@ def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatc
         moves.append((seq, dev_table))
     staging = MoveStaging(torch.device(TEST_DEVICE), num_slots=2)  # three groups: slots are reused
     with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
-        if way == "mapped":
-            mapped = [tuple(cache.to(TEST_DEVICE) for cache in layer) for layer in host]
-            kv_demotion.write_mapped(moves, device, mapped, dev_bs)
-            for pair, mapped_pair in zip(host, mapped):
-                for cache, twin in zip(pair, mapped_pair):
-                    cache.copy_(twin.cpu())
+        if way.startswith("mapped"):
+            mapped = torch.stack([torch.stack(layer) for layer in host]).to(TEST_DEVICE)
+            kv_demotion.write_mapped(moves, device_stacked, mapped, dev_bs)
+            for layer, pair in enumerate(host):
+                for which, cache in enumerate(pair):
+                    cache.copy_(mapped[layer, which].cpu())
         else:
             for write in kv_demotion.copy_to_host(moves, device, host, executor, dev_bs, staging):
                 write.result()

@@ -24,16 +24,17 @@ def _tokens_of(cache: torch.Tensor, block_table: list[int], num_tokens: int, hea
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Staged with a layer per group or every layer in one group, and read directly by the device (the pool's twin
-# on the test device stands in for the pinned pool that CUDA maps: HostKVPool.device_layers).
-@pytest.mark.parametrize("way", ["staged, group per layer", "staged, one group", "mapped"])
+# Staged or read directly by the device (the pool's twin on the test device stands in for the pinned pool that
+# CUDA maps: HostKVPool.device_stacked), with a layer per group or every layer in one group.
+@pytest.mark.parametrize("way", ["staged, group per layer", "staged, one group", "mapped, group per layer",
+                                 "mapped, one group"])
 def test_copy_moves_every_token_to_its_new_device_slot(dtype, way, monkeypatch):
-    monkeypatch.setattr(kv_promotion, "GROUP_BYTES", 1 << 30 if way == "staged, one group" else 1)
+    monkeypatch.setattr(kv_promotion, "GROUP_BYTES", 1 << 30 if way.endswith("one group") else 1)
     gen = torch.Generator().manual_seed(7)
     layers, hkv, d, host_bs, dev_bs = 3, 2, 8, 8, 4
     host = [tuple(torch.randn(12, hkv, host_bs, d, generator=gen).to(dtype) for _ in "kv") for _ in range(layers)]
-    device = [tuple(torch.full((20, dev_bs, hkv, d), float("nan"), dtype=dtype, device=TEST_DEVICE) for _ in "kv")
-              for _ in range(layers)]
+    device_stacked = torch.full((layers, 2, 20, dev_bs, hkv, d), float("nan"), dtype=dtype, device=TEST_DEVICE)
+    device = [(layer[0], layer[1]) for layer in device_stacked]  # as ModelRunner.allocate_device_pool lays it out
     store = select_backend("auto", torch.device(TEST_DEVICE), dev_bs).store_kvcache  # the engine's own choice
     # Lengths at, just past and well inside block boundaries of both tiers; host blocks shuffled.
     lengths, host_tables, dev_tables = (8, 13, 1), ([5, 2], [11, 0], [7]), ([3, 9], [0, 17, 4, 12], [19])
@@ -42,9 +43,9 @@ def test_copy_moves_every_token_to_its_new_device_slot(dtype, way, monkeypatch):
         seq = Sequence(list(range(n + 1)), SamplingParams(), budget=n + 4)
         seq.num_computed_tokens, seq.block_table = n, dev_table
         moves.append((seq, host_table))
-    if way == "mapped":
-        mapped = [tuple(cache.to(TEST_DEVICE) for cache in layer) for layer in host]
-        kv_promotion.read_mapped(moves, mapped, device, store, dev_bs)
+    if way.startswith("mapped"):
+        mapped = torch.stack([torch.stack(layer) for layer in host]).to(TEST_DEVICE)
+        kv_promotion.read_mapped(moves, mapped, device_stacked, dev_bs)
     else:
         with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
             # Two slots for three groups: the third reuses the first once its copy has read it.
