@@ -7,9 +7,11 @@ the device, and the replay reproduces a device run's step and move counts. On th
 64 x (1024 + 1024) at 3,296 device blocks, it matched "gpu" exactly (2,074 device steps of 31.6 rows, 28
 recomputes) and "auto"'s steps and moves within 1%.
 
-Not modelled: stalls of the engine's thread on KV copies (a promotion costs a constant per token, a demotion
-nothing) and the host lane's GPU work beyond a constant slowdown of device steps. Timings are a guide to which
-changes are worth a device run; device runs decide. (It predicted 1.07 for the demotion order of d2e1354 at the
+Not modelled: the host lane's GPU work beyond a constant slowdown of device steps, and async scheduling's
+overlap beyond this: a device step's time is its GPU time, and the engine's own work hides behind it. A move
+costs the device lane a constant per token of its context (the engine thread's share and the slower device steps
+right after it, measured with profile_timeline.py). Timings are a guide to which changes are worth a device run;
+device runs decide. (It predicted 1.07 for the demotion order of d2e1354 at the
 point above; the device measured 0.84, because demotions' staged copies then held the engine's thread 47 ms
 each, and 1.01 once they no longer did.)
 
@@ -41,7 +43,7 @@ POLICIES = ("gpu", "auto")
 
 @dataclass(frozen=True)
 class CostModel:
-    """What each step costs for one model shape on the H100 host, read off the 2026-11-22 A/B runs."""
+    """What each step costs for one model shape on the H100 host."""
 
     dev_fixed: float  # seconds of a device decode step regardless of its rows...
     dev_row: float  # ...plus this per row...
@@ -50,15 +52,24 @@ class CostModel:
     host_fixed: float  # seconds of a host-lane step outside its CPU attention kernels...
     host_per_gb: float  # ...plus this per GB of KV the kernels read
     prefill_tok_s: float  # prompt tokens per second of a prefill step
-    move_s_per_tok: float  # engine-thread seconds a promotion costs per token of context
+    promote_s_per_tok: float  # device-lane seconds a promotion costs per token of context
+    demote_s_per_tok: float  # the same for a demotion
     kv_bytes: int  # KV bytes per token
 
 
+# Read off the H100 runs of 2026-11-23 (after the runner work: whole-step graphs, async scheduling).
+# 0.6B: graph replays of 1.54 ms at 1 row and 1.76-1.79 at 5-7 rows of ~1.5k tokens (profile_timeline.py); the
+# suite's lane statistics (host fixed 6-9 ms, 10.3 ms per GB); a promotion of ~1.5k tokens 1.2 ms of the engine's
+# thread + 1.3 ms of slower device steps, a demotion 1.8 + 2.4 (benchmarks/NOTES.md, 2026-11-23 evening).
+# 8B: gpu's 2,868 tok/s at ~35 rows of ~1.5k tokens (12 ms a step); lane statistics host fixed 31-43 ms, 15-19 ms
+# per GB, slowdown 1.03-1.04 on prompt-heavy; moves scaled from 0.6B by KV bytes per token (not measured).
 COST_MODELS = {
-    "qwen3-8b": CostModel(dev_fixed=0.0145, dev_row=0.00005, kv_bw=2.5e12, busy=1.07, host_fixed=0.021,
-                          host_per_gb=0.021, prefill_tok_s=21000, move_s_per_tok=7.5e-6, kv_bytes=147456),
-    "qwen3-0.6b": CostModel(dev_fixed=0.0055, dev_row=0.00002, kv_bw=2.5e12, busy=1.03, host_fixed=0.006,
-                            host_per_gb=0.0165, prefill_tok_s=31000, move_s_per_tok=5.7e-6, kv_bytes=114688),
+    "qwen3-8b": CostModel(dev_fixed=0.0075, dev_row=0.00005, kv_bw=3.0e12, busy=1.035, host_fixed=0.038,
+                          host_per_gb=0.016, prefill_tok_s=21000, promote_s_per_tok=2.2e-6,
+                          demote_s_per_tok=3.6e-6, kv_bytes=147456),
+    "qwen3-0.6b": CostModel(dev_fixed=0.00145, dev_row=0.00001, kv_bw=4.0e12, busy=1.0, host_fixed=0.007,
+                            host_per_gb=0.0103, prefill_tok_s=150000, promote_s_per_tok=1.7e-6,
+                            demote_s_per_tok=2.8e-6, kv_bytes=114688),
 }
 HOST_POOL_BLOCKS = {"qwen3-8b": 6346, "qwen3-0.6b": 40000}
 
@@ -140,37 +151,55 @@ class FakeHostLane:
         pass
 
 
+class FakeDeferred:
+    """A device-lane step's tokens as the engine reads them a step late (engine/deferred_tokens.py)."""
+
+    def __init__(self, seqs: list[Sequence], launched: float):
+        self.seqs, self.launched = seqs, launched
+        self.positions = [len(seq) for seq in seqs]
+        self.host_busy, self.quiet = False, True
+
+    def result(self) -> list[int]:
+        return [1] * len(self.seqs)
+
+    def wait(self) -> None:
+        pass
+
+
 class FakeRunner:
     """The model runner: each device-lane step advances the clock by its modelled time; every token is 1."""
 
-    # As with CUDA's whole-step host graphs: promotions wait until the host step is back (no hold-back).
-    host_step_holds_executor = True
+    promotes_beside_host_steps = True  # CUDA's mapped host pool: promotions run beside a host step in flight
 
     def __init__(self, engine: llm_engine.LLMEngine, clock: SimClock, cost: CostModel):
         self.engine, self.clock, self.cost = engine, clock, cost
         self.decode_steps: list[tuple[int, bool]] = []  # (rows, host step in flight) of each device decode step
 
-    def run(self, batch: list[Sequence], is_prefill: bool, lane: str = "device") -> list[int]:
+    def run(self, batch: list[Sequence], is_prefill: bool, lane: str = "device"):
         if is_prefill:
             self.clock.now += sum(seq.num_scheduled_tokens for seq in batch) / self.cost.prefill_tok_s
-        else:
-            host_busy = self.engine.in_flight is not None
-            self.clock.now += self._decode_seconds(batch) * (self.cost.busy if host_busy else 1.0)
-            self.decode_steps.append((len(batch), host_busy))
-        return [1] * len(batch)
+            return [1] * len(batch)
+        host_busy = self.engine.in_flight is not None
+        launched = self.clock.now
+        self.clock.now += self._decode_seconds(batch) * (self.cost.busy if host_busy else 1.0)
+        self.decode_steps.append((len(batch), host_busy))
+        return FakeDeferred(batch, launched)
 
     def _decode_seconds(self, batch: list[Sequence]) -> float:
         kv_bytes = sum(map(len, batch)) * self.cost.kv_bytes
         return self.cost.dev_fixed + self.cost.dev_row * len(batch) + kv_bytes / self.cost.kv_bw
 
     def promote(self, moves) -> None:
-        self.clock.now += sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.move_s_per_tok
+        self.clock.now += sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.promote_s_per_tok
 
     def demote(self, moves) -> None:
-        pass  # the copy overlaps the next device step
+        self.clock.now += sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.demote_s_per_tok
 
     def check_host_writes(self, wait: bool = False) -> None:
         pass
+
+    def host_writes_pending(self) -> bool:
+        return False
 
 
 def build_engine(policy: str, point: Point, clock: SimClock) -> llm_engine.LLMEngine:
@@ -186,7 +215,10 @@ def build_engine(policy: str, point: Point, clock: SimClock) -> llm_engine.LLMEn
                                  stats=engine.stats)
     engine.runner = FakeRunner(engine, clock, cost)
     engine.host_lane = FakeHostLane(engine, clock, cost)
-    engine.in_flight = None
+    engine.cfg = SimpleNamespace(async_scheduling=True)
+    engine.in_flight = engine.pending = None
+    engine.promoting = []
+    engine._resolved_at = 0.0
     engine.host_step_seconds = engine.device_step_seconds = 0.0
     engine.decoded_by_lane = {"device": 0, "host": 0}
     return engine
