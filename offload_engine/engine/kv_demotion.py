@@ -34,7 +34,7 @@ from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for
 
 
-def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_layers, host_layers, executor,
+def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.Tensor, host_layers, executor,
                  device_block_size: int, staging: MoveStaging) -> list:
     """moves: (sequence, the device blocks holding its KV); each sequence's `block_table` already names its host
     blocks and `num_computed_tokens` says how many tokens have KV. Returns the executor futures of the host
@@ -42,7 +42,7 @@ def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_layers, host_la
     block = host_layers[0][0][0]
     batches = split_moves(moves, block.shape[1], 2 * block.numel() * block.element_size())
     return [write for batch in batches
-            for write in _copy_batch(batch, device_layers, host_layers, executor, device_block_size, staging)]
+            for write in _copy_batch(batch, device_stacked, host_layers, executor, device_block_size, staging)]
 
 
 def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.Tensor, mapped_stacked: torch.Tensor,
@@ -62,12 +62,7 @@ def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.
     group = max(1, GROUP_BYTES // max(1, layer_bytes))
     for first in range(0, num_layers, group):
         layers = slice(first, min(first + group, num_layers))
-        tokens = token_slots[layers].index_select(2, slots)
-        if pad_rows.numel():
-            tokens.index_fill_(2, pad_rows, 0)
-        count = tokens.shape[0]
-        # [layers, 2, host blocks, Hkv, host block size, D]
-        staged = tokens.view(count, 2, len(targets), host_block_size, num_kv_heads, head_dim).transpose(3, 4)
+        staged = _in_host_layout(token_slots[layers], slots, pad_rows, len(targets), host_block_size)
         mapped_stacked[layers].index_copy_(2, targets, staged.contiguous())
 
 
@@ -87,54 +82,38 @@ def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarr
             np.array(targets, dtype=np.int64))
 
 
-def _staged_plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Each moved token's device slot, its row among the staged host blocks, and the host blocks in order."""
-    slots, rows, targets = [], [], []
-    for seq, device_blocks in moves:
-        num_tokens = seq.num_computed_tokens
-        # Token t of this sequence goes to row (its first block's place in the staging) * block size + t.
-        rows.append(len(targets) * host_block_size + np.arange(num_tokens))
-        slots.append(slots_for(device_blocks, device_block_size, 0, num_tokens))
-        targets += seq.block_table[: -(-num_tokens // host_block_size)]
-    return np.concatenate(slots), np.concatenate(rows), np.array(targets, dtype=np.int64)
+def _in_host_layout(token_slots: torch.Tensor, slots: torch.Tensor, pad_rows: torch.Tensor, num_blocks: int,
+                    host_block_size: int) -> torch.Tensor:
+    """The tokens of token_slots [layers, 2, slots, Hkv, D] at `slots` (_plan's), padding rows zeroed, laid out
+    as host blocks: a view [layers, 2, num_blocks, Hkv, host_block_size, D]."""
+    tokens = token_slots.index_select(2, slots)
+    if pad_rows.numel():
+        tokens.index_fill_(2, pad_rows, 0)
+    count, _, _, num_kv_heads, head_dim = tokens.shape
+    return tokens.view(count, 2, num_blocks, host_block_size, num_kv_heads, head_dim).transpose(3, 4)
 
 
-def _copy_batch(moves, device_layers, host_layers, executor, device_block_size: int, staging: MoveStaging) -> list:
+def _copy_batch(moves, device_stacked, host_layers, executor, device_block_size: int, staging: MoveStaging) -> list:
     _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
-    device = device_layers[0][0].device
-    slots, rows, targets = _staged_plan(moves, host_block_size, device_block_size)
-    slots = torch.from_numpy(slots).to(device, non_blocking=True)
-    rows = torch.from_numpy(rows).to(device, non_blocking=True)
+    device = device_stacked.device
+    slots, pad_rows, targets = _plan(moves, host_block_size, device_block_size)
+    slots, pad_rows = (torch.from_numpy(x).to(device, non_blocking=True) for x in (slots, pad_rows))
     targets = torch.from_numpy(targets)
+    token_slots = device_stacked.flatten(2, 3)  # [L, 2, blocks * block_size, Hkv, D]
     block_shape = (len(targets), num_kv_heads, host_block_size, head_dim)
     layer_bytes = 2 * host_layers[0][0].element_size() * int(np.prod(block_shape))
     group = max(1, GROUP_BYTES // max(1, layer_bytes))
     writes = []
-    for first in range(0, len(device_layers), group):
-        layers = range(first, min(first + group, len(device_layers)))
+    for first in range(0, len(host_layers), group):
+        layers = range(first, min(first + group, len(host_layers)))
         slot, host_buffer, device_buffer = staging.take((len(layers), 2, *block_shape), host_layers[0][0].dtype)
-        _stage_on_device(device_layers, layers, slots, rows, device_buffer, _padded_token_rows(device_buffer))
+        device_buffer.copy_(_in_host_layout(token_slots[first : layers.stop], slots, pad_rows, len(targets),
+                                            host_block_size))
         host_buffer.copy_(device_buffer, non_blocking=True)
         write = executor.submit(_scatter_layers, _record_event(device), host_buffer, host_layers, layers, targets)
         staging.busy_until(slot, write)  # the slot is free again once the host blocks have been written
         writes.append(write)
     return writes
-
-
-def _padded_token_rows(staged: torch.Tensor) -> torch.Tensor:
-    """Scratch for _stage_on_device: one layer's tokens, token-major, zero where a host block has no token."""
-    _, _, num_blocks, num_kv_heads, block_size, head_dim = staged.shape
-    return torch.zeros((num_blocks * block_size, num_kv_heads, head_dim), dtype=staged.dtype, device=staged.device)
-
-
-def _stage_on_device(device_layers, layers: range, slots, rows, staged: torch.Tensor, token_rows: torch.Tensor) -> None:
-    """staged [len(layers), 2, blocks, Hkv, block_size, D] <- the tokens in host-block layout, padding rows zero
-    (token_rows: _padded_token_rows(staged), reusable: every call writes the same rows)."""
-    _, _, num_blocks, num_kv_heads, block_size, head_dim = staged.shape
-    for i, layer in enumerate(layers):
-        for j, pool in enumerate(device_layers[layer]):
-            token_rows[rows] = pool.view(-1, num_kv_heads, head_dim)[slots]
-            staged[i, j] = token_rows.view(num_blocks, block_size, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def _scatter_layers(arrived, staged: torch.Tensor, host_layers, layers: range, targets: torch.Tensor) -> None:

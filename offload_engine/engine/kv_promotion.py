@@ -13,7 +13,7 @@ head-major blocks:
   them, and nothing on the host copies.
   The staged way below took ~17 ms of that thread per promotion on the H100 host, waiting for the executor's
   gather and for the staging slots' copies behind the device lane's step (benchmarks/profile_timeline.py,
-  2026-11-22). It ends in the device backend's `store_kvcache`.
+  2026-11-22).
 - `copy_to_device` (any device): per group of layers, the blocks are gathered into a pinned staging slot
   (numba, on the host executor: see cpu_attention/gather.py for why not a torch CPU op) and cross in one copy.
   Slots come from MoveStaging, reused for every move.
@@ -47,10 +47,7 @@ def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_stacked: torch.T
     group = max(1, GROUP_BYTES // max(1, layer_bytes))
     for first in range(0, num_layers, group):
         layers = slice(first, min(first + group, num_layers))
-        blocks = mapped_stacked[layers].index_select(2, source)  # [layers, 2, blocks, Hkv, host block size, D]
-        count = blocks.shape[0]
-        tokens = blocks.transpose(3, 4).reshape(count, 2, -1, num_kv_heads, head_dim).index_select(2, rows)
-        token_slots[layers].index_copy_(2, slots, tokens)
+        _store_tokens(token_slots[layers], mapped_stacked[layers].index_select(2, source), rows, slots)
 
 
 def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[list[int], np.ndarray, np.ndarray]:
@@ -65,28 +62,32 @@ def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[list[int
     return sources, np.concatenate(rows), np.concatenate(slots)
 
 
-def _token_rows(blocks: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """[blocks, Hkv, block_size, D] -> token rows [blocks * block_size, Hkv, D] -> the moved tokens."""
-    return blocks.transpose(1, 2).reshape(-1, blocks.shape[1], blocks.shape[3])[rows]
+def _store_tokens(token_slots: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
+    """token_slots [layers, 2, slots, Hkv, D] at `slots` <- the tokens at `rows` (_plan's) of the gathered host
+    blocks [layers, 2, blocks, Hkv, host block size, D]."""
+    count, _, _, num_kv_heads, _, head_dim = blocks.shape
+    tokens = blocks.transpose(3, 4).reshape(count, 2, -1, num_kv_heads, head_dim).index_select(2, rows)
+    token_slots.index_copy_(2, slots, tokens)
 
 
-def copy_to_device(moves: list[tuple[Sequence, list[int]]], host_layers, device_layers, executor, store_kvcache,
+def copy_to_device(moves: list[tuple[Sequence, list[int]]], host_layers, device_stacked: torch.Tensor, executor,
                    device_block_size: int, staging: MoveStaging) -> None:
     """moves: (sequence, the host blocks holding its KV); each sequence's `block_table` already names its device
     blocks and `num_computed_tokens` says how many tokens have KV. Returns once the host blocks are read."""
     block = host_layers[0][0][0]
     for batch in split_moves(moves, block.shape[1], 2 * block.numel() * block.element_size()):
-        _copy_batch(batch, host_layers, device_layers, executor, store_kvcache, device_block_size, staging)
+        _copy_batch(batch, host_layers, device_stacked, executor, device_block_size, staging)
 
 
-def _copy_batch(moves, host_layers, device_layers, executor, store_kvcache, device_block_size: int,
+def _copy_batch(moves, host_layers, device_stacked: torch.Tensor, executor, device_block_size: int,
                 staging: MoveStaging) -> None:
     _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
-    device = device_layers[0][0].device
+    device = device_stacked.device
     sources, rows, slots = _plan(moves, host_block_size, device_block_size)
     source = torch.tensor(sources, dtype=torch.int64)
     rows = torch.from_numpy(rows).to(device, non_blocking=True)
     slots = torch.from_numpy(slots).to(device, non_blocking=True)
+    token_slots = device_stacked.flatten(2, 3)  # [L, 2, blocks * block_size, Hkv, D]
     block_shape = (len(sources), num_kv_heads, host_block_size, head_dim)
     layer_bytes = 2 * host_layers[0][0].element_size() * int(np.prod(block_shape))
     group = max(1, GROUP_BYTES // max(1, layer_bytes))
@@ -94,26 +95,24 @@ def _copy_batch(moves, host_layers, device_layers, executor, store_kvcache, devi
     pending = deque()
     for first in range(0, len(host_layers), group):
         if len(pending) == 2:
-            _store_group(*pending.popleft(), device_layers, rows, slots, store_kvcache, staging)
+            _store_group(*pending.popleft(), token_slots, rows, slots, staging)
         layers = range(first, min(first + group, len(host_layers)))
         slot, host_buffer, device_buffer = staging.take((len(layers), 2, *block_shape), host_layers[0][0].dtype)
         gathered = executor.submit(_gather_layers, host_layers, layers, source, host_buffer)
         pending.append((layers, slot, host_buffer, device_buffer, gathered))
     while pending:
-        _store_group(*pending.popleft(), device_layers, rows, slots, store_kvcache, staging)
+        _store_group(*pending.popleft(), token_slots, rows, slots, staging)
 
 
-def _store_group(layers: range, slot: int, host_buffer, device_buffer, gathered, device_layers, rows, slots,
-                 store_kvcache, staging: MoveStaging) -> None:
+def _store_group(layers: range, slot: int, host_buffer, device_buffer, gathered, token_slots, rows, slots,
+                 staging: MoveStaging) -> None:
     gathered.result()
     device_buffer.copy_(host_buffer, non_blocking=True)
     if device_buffer.device.type == "cuda":
         crossed = torch.cuda.Event()
         crossed.record()
         staging.busy_until(slot, crossed)  # the host slot is free again once the copy has read it
-    for i, layer in enumerate(layers):
-        k, v = (_token_rows(device_buffer[i, j], rows) for j in (0, 1))
-        store_kvcache(k, v, *device_layers[layer], slots)
+    _store_tokens(token_slots[layers.start : layers.stop], device_buffer, rows, slots)
 
 
 def _gather_layers(host_layers, layers: range, source: torch.Tensor, staged: torch.Tensor) -> None:

@@ -1,15 +1,45 @@
-"""Sizes the device KV pool from the memory left after the model's own peak (CUDA only).
+"""The device KV pool: how many blocks (`size_device_pool`), and its layout (`allocate_device_pool`).
 
-A warmup prefill of the largest batch the scheduler can form runs through a temporary pool; what the model,
+On CUDA the pool is sized from the memory left after the model's own peak. A warmup prefill of the largest batch the scheduler can form runs through a temporary pool; what the model,
 its activations and the sampler (a full batch, once per lane) take at their peak, plus everything else
 already on the card, is subtracted from total memory x gpu_memory_utilization. The rest is the KV pool.
 """
 import torch
 
-from offload_engine.engine.model_runner import layer_views
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.sampler import largest_sampling_step, sample
 from offload_engine.sampling_params import SamplingParams
+
+CPU_DEVICE_POOL_BYTES = 1 << 30  # device="cpu": the "device" tier is host memory too; keep it modest
+
+
+def size_device_pool(runner) -> int:
+    """Blocks for the device pool: as asked (num_gpu_blocks), else what the device has room for, at most
+    enough for max_num_seqs sequences of max_model_len (more could never be used at once)."""
+    cfg = runner.cfg
+    if cfg.num_gpu_blocks is not None:
+        return cfg.num_gpu_blocks
+    block_bytes, wanted = runner.block_bytes(cfg.block_size), runner.wanted_blocks(cfg.block_size)
+    if runner.device.type == "cpu":
+        return max(1, min(wanted, CPU_DEVICE_POOL_BYTES // block_bytes))
+    blocks = profile_free_kv_bytes(runner) // block_bytes
+    if blocks < 1:
+        raise ValueError("no GPU memory is left for the KV cache after the model and its activations: raise "
+                         "gpu_memory_utilization, lower max_num_batched_tokens, or set num_gpu_blocks")
+    return min(blocks, wanted)
+
+
+def allocate_device_pool(model_cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
+                         device: torch.device) -> torch.Tensor:
+    """Every layer's K and V in one tensor, [L, 2, blocks, block_size, Hkv, D] (layer_views gives them one by
+    one): moves between the tiers take a batch of layers per kernel (kv_demotion.py, kv_promotion.py)."""
+    shape = (model_cfg.num_layers, 2, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
+def layer_views(stacked: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each layer's (K, V) of a pool from allocate_device_pool."""
+    return [(layer[0], layer[1]) for layer in stacked]
 
 
 @torch.inference_mode()
@@ -23,7 +53,8 @@ def profile_free_kv_bytes(runner) -> int:
 
     seq_len = min(runner.max_model_len, cfg.max_num_batched_tokens)
     num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // seq_len))
-    pool = runner.allocate_device_pool(num_seqs * -(-seq_len // cfg.block_size))
+    pool = allocate_device_pool(runner.model_cfg, num_seqs * -(-seq_len // cfg.block_size), cfg.block_size,
+                                runner.dtype, runner.device)
     pool_bytes = pool.nbytes
     runner.bind_kv_caches(layer_views(pool), None)
     run_dummy_prefill(runner, num_seqs, seq_len)

@@ -10,6 +10,8 @@ from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.deferred_tokens import DeferredTokens
 from offload_engine.engine.device_decode import DeviceLaneDecode
 from offload_engine.engine.graph_dispatch import GraphDispatcher, GraphMode
+from offload_engine.engine.memory_profile import (allocate_device_pool, layer_views, run_dummy_prefill,
+                                                  size_device_pool)
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.prefill_segment import run_segment, segment_capacity, segment_inputs
@@ -19,8 +21,6 @@ from offload_engine.layers.attention_backends import select_backend
 from offload_engine.layers.sampler import SamplingBatch, largest_sampling_step, sample
 from offload_engine.loader import build_model
 
-GiB = 1 << 30
-CPU_DEVICE_POOL_BYTES = 1 * GiB  # device="cpu": the "device" tier is host memory too; keep it modest
 
 
 class ModelRunner:
@@ -67,8 +67,9 @@ class ModelRunner:
         self.device_decode = DeviceLaneDecode(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
                                               self.cfg.block_size, self.device)
         self.startup_seconds["weights"] = time.perf_counter() - began
-        self.num_gpu_blocks = self._size_device_pool()
-        self.device_stacked = self.allocate_device_pool(self.num_gpu_blocks)
+        self.num_gpu_blocks = size_device_pool(self)
+        self.device_stacked = allocate_device_pool(self.model_cfg, self.num_gpu_blocks, self.cfg.block_size,
+                                                   self.dtype, self.device)
         self.device_pool = layer_views(self.device_stacked)
         if self.host_pool is not None:
             # Before graph capture: page-locking from another thread would break a capture in progress.
@@ -98,7 +99,6 @@ class ModelRunner:
         whose cached blocks the other stream cannot reuse (0.5 GiB over 10,000 requests, H100, 2026-11-22).
         The pool was sized for this (engine/memory_profile.py). Before any request: the prefill's KV lands in
         blocks nobody holds yet."""
-        from offload_engine.engine.memory_profile import run_dummy_prefill
 
         tokens = min(self.cfg.max_num_batched_tokens, self.num_gpu_blocks * self.cfg.block_size)
         seq_len = min(self.max_model_len, tokens)
@@ -112,34 +112,12 @@ class ModelRunner:
             stream.synchronize()
 
     # ---- pools -------------------------------------------------------------------------------------------
-    def _block_bytes(self, block_size: int) -> int:
+    def block_bytes(self, block_size: int) -> int:
         return block_size * self.model_cfg.kv_bytes_per_token(self.dtype)
 
-    def _wanted_blocks(self, block_size: int) -> int:
+    def wanted_blocks(self, block_size: int) -> int:
         """Enough blocks for max_num_seqs sequences of max_model_len: more can never be used at once."""
         return self.cfg.max_num_seqs * -(-self.max_model_len // block_size)
-
-    def _size_device_pool(self) -> int:
-        if self.cfg.num_gpu_blocks is not None:
-            return self.cfg.num_gpu_blocks
-        if self.device.type == "cpu":
-            size = self.cfg.block_size
-            return max(1, min(self._wanted_blocks(size), CPU_DEVICE_POOL_BYTES // self._block_bytes(size)))
-        from offload_engine.engine.memory_profile import profile_free_kv_bytes
-
-        free = profile_free_kv_bytes(self)
-        blocks = free // self._block_bytes(self.cfg.block_size)
-        if blocks < 1:
-            raise ValueError("no GPU memory is left for the KV cache after the model and its activations: raise "
-                             "gpu_memory_utilization, lower max_num_batched_tokens, or set num_gpu_blocks")
-        return min(blocks, self._wanted_blocks(self.cfg.block_size))  # more could never be used at once
-
-    def allocate_device_pool(self, num_blocks: int) -> torch.Tensor:
-        """Every layer's K and V in one tensor, [L, 2, blocks, block_size, Hkv, D] (layer_views gives them one by
-        one): moves between the tiers take a batch of layers per kernel (kv_demotion.py, kv_promotion.py)."""
-        cfg = self.model_cfg
-        shape = (cfg.num_layers, 2, num_blocks, self.cfg.block_size, cfg.num_kv_heads, cfg.head_dim)
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
 
     def _make_host_tier(self):
         wants_host = self.cfg.kv_placement != "gpu" or self.cfg.num_cpu_blocks or self.cfg.cpu_kv_cache_gb
@@ -148,8 +126,8 @@ class ModelRunner:
         from cpu_attention import CpuAttentionExecutor
 
         size = self.cfg.cpu_block_size
-        blocks = host_pool_blocks(self._block_bytes(size), self.cfg.num_cpu_blocks, self.cfg.cpu_kv_cache_gb,
-                                  self._wanted_blocks(size))
+        blocks = host_pool_blocks(self.block_bytes(size), self.cfg.num_cpu_blocks, self.cfg.cpu_kv_cache_gb,
+                                  self.wanted_blocks(size))
         cfg = self.model_cfg
         # numba compiles (or loads its on-disk cache) the kernels for this dtype on the executor's thread now,
         # not inside the first step; the caller joins it once the weights are in.
@@ -261,8 +239,8 @@ class ModelRunner:
         mapped = self.host_pool.device_stacked()
         if mapped is None:
             with torch.inference_mode(), self._lane_stream("device"):
-                copy_to_device(moves, self.host_pool.layers, self.device_pool, self.executor,
-                               self.backend.store_kvcache, self.cfg.block_size, self.move_staging)
+                copy_to_device(moves, self.host_pool.layers, self.device_stacked, self.executor, self.cfg.block_size,
+                               self.move_staging)
             return None
         # Host-pool writes on the executor into these blocks have finished. Demotions' direct writes need no wait
         # on this thread: they are on the device lane's stream, which the reads below wait for on the device.
@@ -291,7 +269,7 @@ class ModelRunner:
         with torch.inference_mode(), self._lane_stream("device"):
             self._after_promotion_reads()  # the host blocks written here may be ones a promotion still reads
             if mapped is None:
-                self._host_writes += copy_to_host(moves, self.device_pool, self.host_pool.layers, self.executor,
+                self._host_writes += copy_to_host(moves, self.device_stacked, self.host_pool.layers, self.executor,
                                                   self.cfg.block_size, self.move_staging)
                 return
             write_mapped(moves, self.device_stacked, mapped, self.cfg.block_size, self._upload)
@@ -406,8 +384,3 @@ class ModelRunner:
         (engine/prefill_segment.py) -> the logits of its last token."""
         segment = segment_inputs(self.inputs, seq, self.cfg.max_num_batched_tokens)
         return self.model.compute_logits(run_segment(self.model, segment, self._host_writes))
-
-
-def layer_views(stacked: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (K, V) of a device pool from ModelRunner.allocate_device_pool."""
-    return [(layer[0], layer[1]) for layer in stacked]

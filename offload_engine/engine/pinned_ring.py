@@ -9,8 +9,8 @@ the oldest regions are waited for (their host write, or the copy that reads them
 also the backpressure that bounds how far host writes may fall behind the device.
 
 The moves between the tiers upload their index lists through it too (`upload`): a copy from pageable memory
-may make the host wait for the stream to drain first, and a promotion or demotion that did so emptied the
-device lane's queue of steps.
+may make the host wait for the stream to drain first, and a promotion or demotion that waited so would let the
+device lane's queue of steps run dry. (Not measured apart from the other changes to the moves.)
 
 Used from the engine's thread only (prefill, promotions and demotions run there).
 """

@@ -8,7 +8,7 @@ from offload_engine.engine import kv_demotion, kv_promotion
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.move_staging import MoveStaging
-from offload_engine.layers.attention_backends import select_backend
+from offload_engine.engine.memory_profile import layer_views
 from tests.conftest import TEST_DEVICE
 from tests.engine.test_kv_promotion import _tokens_of
 from tests.oracle import hf_greedy, random_prompts
@@ -28,7 +28,7 @@ def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatc
     gen = torch.Generator().manual_seed(8)
     layers, hkv, d, host_bs, dev_bs = 3, 2, 8, 8, 4
     device_stacked = torch.randn(layers, 2, 20, dev_bs, hkv, d, generator=gen).to(dtype).to(TEST_DEVICE)
-    device = [(layer[0], layer[1]) for layer in device_stacked]  # as ModelRunner.allocate_device_pool lays it out
+    device = layer_views(device_stacked)  # the engine's layout (memory_profile.allocate_device_pool)
     original = [tuple(t.clone() for t in pair) for pair in device]
     host = [tuple(torch.full((12, hkv, host_bs, d), float("nan"), dtype=dtype) for _ in "kv") for _ in range(layers)]
     # Lengths at, just past and well inside block boundaries of both tiers; blocks shuffled in both pools.
@@ -47,7 +47,7 @@ def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatc
                 for which, cache in enumerate(pair):
                     cache.copy_(mapped[layer, which].cpu())
         else:
-            for write in kv_demotion.copy_to_host(moves, device, host, executor, dev_bs, staging):
+            for write in kv_demotion.copy_to_host(moves, device_stacked, host, executor, dev_bs, staging):
                 write.result()
         untouched = sorted(set(range(12)) - {b for table in host_tables for b in table})
         assert all(torch.isnan(c[untouched].float()).all() for pair in host for c in pair)  # no stray block written
@@ -64,8 +64,7 @@ def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatc
         for (seq, dev_table), new_table in zip(moves, ([1, 2], [5, 6, 7, 8], [10])):
             host_table, seq.block_table = seq.block_table, new_table
             back.append((seq, host_table))
-        store = select_backend("auto", torch.device(TEST_DEVICE), dev_bs).store_kvcache
-        kv_promotion.copy_to_device(back, host, device, executor, store, dev_bs, staging)
+        kv_promotion.copy_to_device(back, host, device_stacked, executor, dev_bs, staging)
     for (seq, old_table), n in zip(moves, lengths):
         for layer in range(layers):
             for which in (0, 1):

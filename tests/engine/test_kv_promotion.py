@@ -8,7 +8,7 @@ from offload_engine.engine import kv_promotion
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
-from offload_engine.layers.attention_backends import select_backend
+from offload_engine.engine.memory_profile import layer_views
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
@@ -34,8 +34,7 @@ def test_copy_moves_every_token_to_its_new_device_slot(dtype, way, monkeypatch):
     layers, hkv, d, host_bs, dev_bs = 3, 2, 8, 8, 4
     host = [tuple(torch.randn(12, hkv, host_bs, d, generator=gen).to(dtype) for _ in "kv") for _ in range(layers)]
     device_stacked = torch.full((layers, 2, 20, dev_bs, hkv, d), float("nan"), dtype=dtype, device=TEST_DEVICE)
-    device = [(layer[0], layer[1]) for layer in device_stacked]  # as ModelRunner.allocate_device_pool lays it out
-    store = select_backend("auto", torch.device(TEST_DEVICE), dev_bs).store_kvcache  # the engine's own choice
+    device = layer_views(device_stacked)  # the engine's layout (memory_profile.allocate_device_pool)
     # Lengths at, just past and well inside block boundaries of both tiers; host blocks shuffled.
     lengths, host_tables, dev_tables = (8, 13, 1), ([5, 2], [11, 0], [7]), ([3, 9], [0, 17, 4, 12], [19])
     moves = []
@@ -49,7 +48,7 @@ def test_copy_moves_every_token_to_its_new_device_slot(dtype, way, monkeypatch):
     else:
         with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
             # Two slots for three groups: the third reuses the first once its copy has read it.
-            kv_promotion.copy_to_device(moves, host, device, executor, store, dev_bs,
+            kv_promotion.copy_to_device(moves, host, device_stacked, executor, dev_bs,
                                         MoveStaging(torch.device(TEST_DEVICE), num_slots=2))
     device = [(k.cpu(), v.cpu()) for k, v in device]
     for (seq, host_table), n in zip(moves, lengths):
