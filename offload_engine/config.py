@@ -73,6 +73,14 @@ class ModelConfig:
             eos_token_ids=eos,
         )
 
+    def check_tensor_parallel(self, ranks: int) -> None:
+        """Every rank must hold whole heads and an equal share of the MLP."""
+        for name, count in (("num_attention_heads", self.num_heads), ("num_key_value_heads", self.num_kv_heads),
+                            ("intermediate_size", self.intermediate_size)):
+            if count % ranks:
+                raise ValueError(f"tensor_parallel_size={ranks} does not divide the model's {name}={count}: "
+                                 f"use a tensor_parallel_size that divides it")
+
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
         """Bytes of K and V that one token holds across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
@@ -114,14 +122,26 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
+    # Ranks of tensor parallelism, one process per device (offload_engine/distributed/).
+    tensor_parallel_size: int = 1
+    # Prefill/decode separation: prefill chunks run on this device, decode on `device` (None: both on `device`).
+    prefill_device: str | None = None
 
     def validate(self) -> None:
         if self.device is None:
             self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        if torch.device(self.device).type not in ("cuda", "cpu"):
-            raise ValueError(f"device must be 'cuda' or 'cpu', got {self.device!r}")
-        if torch.device(self.device).type == "cuda" and not torch.cuda.is_available():
-            raise ValueError("device='cuda' was asked for but torch sees no CUDA GPU: use device='cpu'")
+        _check_device("device", self.device)
+        if self.torch_device.type == "cuda":
+            # Named by index from here on: a bare "cuda" would follow whichever device is current.
+            self.device = f"cuda:{_index(self.torch_device)}"
+        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
+        if self.prefill_device is not None:
+            _check_device("prefill_device", self.prefill_device)
+            if torch.device(self.prefill_device).type == "cuda":
+                self.prefill_device = f"cuda:{_index(torch.device(self.prefill_device))}"
+            self._check_prefill_device()
+        self._check_ranks()
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_placement not in KV_PLACEMENTS:
@@ -149,9 +169,47 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 
+    def _check_prefill_device(self) -> None:
+        if self.tensor_parallel_size > 1:
+            raise ValueError("prefill_device cannot be combined with tensor_parallel_size > 1: use one or the other")
+        prefill, decode = torch.device(self.prefill_device), self.torch_device
+        if prefill.type != decode.type:
+            raise ValueError(f"prefill_device={self.prefill_device!r} and device={self.device!r} must both be GPUs "
+                             "(or both 'cpu', for testing)")
+        if prefill.type == "cuda" and _index(prefill) == _index(decode):
+            raise ValueError(f"prefill_device={self.prefill_device!r} is the decode device too: name another GPU, "
+                             "e.g. device='cuda:1', prefill_device='cuda:0', or leave prefill_device=None")
+
+    def _check_ranks(self) -> None:
+        """More ranks than GPUs: each rank owns one GPU, cuda:<first + rank>."""
+        device, ranks = self.torch_device, self.tensor_parallel_size
+        if device.type == "cuda" and _index(device) + ranks > torch.cuda.device_count():
+            raise ValueError(f"tensor_parallel_size={ranks} from {self.device!r} needs GPUs {_index(device)}.."
+                             f"{_index(device) + ranks - 1}, but torch sees {torch.cuda.device_count()}: "
+                             "lower tensor_parallel_size")
+
     @property
     def torch_device(self) -> torch.device:
         return torch.device(self.device)
+
+
+def _check_device(name: str, value) -> None:
+    try:
+        device = torch.device(value)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"{name} must name a device such as 'cuda', 'cuda:1' or 'cpu', got {value!r}") from None
+    if device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{name} must be 'cuda', 'cuda:<index>' or 'cpu', got {value!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{name}={value!r} was asked for but torch sees no CUDA GPU: use 'cpu'")
+    if device.type == "cuda" and _index(device) >= torch.cuda.device_count():
+        raise ValueError(f"{name}={value!r}, but torch sees {torch.cuda.device_count()} GPU(s): "
+                         f"use an index below {torch.cuda.device_count()}")
+
+
+def _index(device: torch.device) -> int:
+    """A CUDA device's index; a bare "cuda" means GPU 0 here, never whichever device is current."""
+    return device.index or 0
 
 
 def _is_int(value) -> bool:

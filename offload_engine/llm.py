@@ -20,13 +20,16 @@ class LLM:
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", seed: int = 0, model: str | None = None,
-                 prefill_segment_tokens: int | None = None, async_scheduling: bool = True):
+                 prefill_segment_tokens: int | None = None, async_scheduling: bool = True,
+                 tensor_parallel_size: int = 1, prefill_device: str | None = None):
         """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing.
 
         kv_placement: "gpu", "cpu" or "auto" (engine/placement.py). kv_promotion (auto only): once the device
         pool has room that no waiting request can take, host-tier sequences move their KV up and decode there.
         prefill_segment_tokens: how many prompt tokens of a host-tier or split sequence one layer-major prefill
         step takes (engine/prefill_segment.py); None sizes it from the device memory left after start-up.
+        tensor_parallel_size: ranks, one process per device from `device` on (offload_engine/distributed/).
+        prefill_device: prefill/decode separation: prompts are prefilled there and decoded on `device`.
         """
         model = model_dir if model_dir is not None else model
         if model is None:
@@ -39,13 +42,15 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, prefill_segment_tokens=prefill_segment_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-            attention_backend=attention_backend, seed=seed)
+            attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            prefill_device=prefill_device)
         self.config.validate()
         if not os.path.isdir(model):
             raise OSError(f"model directory {model!r} does not exist: pass a Hugging Face model directory "
                           "(config.json + *.safetensors)")
         self.model_dir = model
         self.model_config = ModelConfig.from_model_dir(model)
+        self.model_config.check_tensor_parallel(tensor_parallel_size)
         self.max_model_len = self._max_model_len()
         self.dtype = self.model_config.dtype if dtype == "auto" else DTYPES[dtype]
         self.tokenizer = _load_tokenizer(model)

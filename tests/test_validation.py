@@ -3,6 +3,7 @@ import os
 import shutil
 
 import pytest
+import torch
 
 from offload_engine import LLM, SamplingParams
 from tests.conftest import TEST_DEVICE
@@ -64,10 +65,15 @@ def test_request_larger_than_any_allowed_pool(llm):
     (dict(dtype="int8"), "dtype"),
     (dict(attention_backend="cuda-magic"), "attention_backend"),
     (dict(max_model_len=10**6), "max_position_embeddings"),
+    (dict(tensor_parallel_size=0), "tensor_parallel_size"),
+    (dict(tensor_parallel_size=3), "divide"),  # 4 heads, 2 KV heads
+    (dict(device="tpu"), "device"),
+    (dict(prefill_device="mps"), "prefill_device"),
+    (dict(tensor_parallel_size=2, prefill_device="cpu"), "one or the other"),
 ])
 def test_bad_engine_arguments(qwen3_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):
-        LLM(qwen3_dir, device=TEST_DEVICE, **kwargs)
+        LLM(qwen3_dir, **{"device": TEST_DEVICE, **kwargs})
 
 
 def test_missing_model_directory(tmp_path):
@@ -107,3 +113,15 @@ def test_model_keyword_as_in_vllm(qwen3_dir):
     llm = LLM(model=qwen3_dir, device=TEST_DEVICE)
     out = llm.generate(GOOD, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)
     assert out[0].token_ids == hf_greedy(qwen3_dir, GOOD, 3)[0]
+
+
+def test_more_ranks_or_devices_than_the_host_has(qwen3_dir):
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="no CUDA GPU"):
+            LLM(qwen3_dir, device="cuda:1")
+        return
+    count = torch.cuda.device_count()
+    with pytest.raises(ValueError, match="index below"):
+        LLM(qwen3_dir, device=f"cuda:{count}")
+    with pytest.raises(ValueError, match="lower tensor_parallel_size"):
+        LLM(qwen3_dir, device="cuda", tensor_parallel_size=2 * count)
