@@ -70,7 +70,7 @@ class HostKVPool:
         if pin_device is not None and self.nbytes:
             from cpu_attention.host_pinning import HostPinning
 
-            index = pin_device.index if pin_device.index is not None else torch.cuda.current_device()
+            index = pin_device.index or 0  # named by index, as the engine names its GPU: never the current one
             self._pinning = HostPinning(flat.data_ptr(), self.nbytes, index)
         self._flat, self._device_stacked = flat, None
         # The finalizer holds the flat tensor, so the memory cannot be freed before it has been unpinned.

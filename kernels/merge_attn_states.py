@@ -13,7 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import KV_DTYPES, LOG2E, next_power_of_2
+from ._common import KV_DTYPES, LOG2E, next_power_of_2, on_device
 
 _LOG2E = tl.constexpr(LOG2E)
 _LN2 = tl.constexpr(0.6931471805599453)
@@ -79,11 +79,12 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
     out_b = out_b if out_b.stride(-1) == 1 else out_b.contiguous()
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_d))  # about 4K values per program
-    _merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
-        out_a, lse_a, out_b, lse_b, out, lse, num_heads,
-        out_a.stride(0), out_a.stride(1), lse_a.stride(0), lse_a.stride(1),
-        out_b.stride(0), out_b.stride(1), lse_b.stride(0), lse_b.stride(1),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
-    )
+    with on_device(out_a):  # Triton launches on the current device
+        _merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
+            out_a, lse_a, out_b, lse_b, out, lse, num_heads,
+            out_a.stride(0), out_a.stride(1), lse_a.stride(0), lse_a.stride(1),
+            out_b.stride(0), out_b.stride(1), lse_b.stride(0), lse_b.stride(1),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, num_warps=4,
+        )
     return out, lse

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_int_tensor, check_paged_cache, check_queries, dot, ieee_dot, exp2_scale
-from ._common import interpreted, next_power_of_2, padded_head_dim, sm_count
+from ._common import interpreted, next_power_of_2, on_device, padded_head_dim, sm_count
 
 _LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 64  # bounds the reduction tile [splits, D] and the partial buffers
@@ -172,24 +172,25 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                         part_lse.stride(0), part_lse.stride(1))
-    _decode_split_kernel[(num_kv_heads, num_splits, batch)](
-        q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
-        exp2_scale(scale), num_splits,
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        *part_strides,
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_power_of_2(group)),
-        BLOCK_N=block_n, BLOCK_D=padded_head_dim(head_dim), IEEE=ieee_dot(q.dtype),
-        UPCAST=interpreted(q.device), FINAL=final,
-        num_warps=num_warps, num_stages=num_stages,
-    )
-    if not final:
-        _decode_reduce_kernel[(batch, num_q_heads)](
-            part_out, part_lse, out, lse, num_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-            HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=next_power_of_2(head_dim),
-            num_warps=4,
+    with on_device(q):  # Triton launches on the current device
+        _decode_split_kernel[(num_kv_heads, num_splits, batch)](
+            q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
+            exp2_scale(scale), num_splits,
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            *part_strides,
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_power_of_2(group)),
+            BLOCK_N=block_n, BLOCK_D=padded_head_dim(head_dim), IEEE=ieee_dot(q.dtype),
+            UPCAST=interpreted(q.device), FINAL=final,
+            num_warps=num_warps, num_stages=num_stages,
         )
+        if not final:
+            _decode_reduce_kernel[(batch, num_q_heads)](
+                part_out, part_lse, out, lse, num_splits,
+                part_out.stride(0), part_out.stride(1), part_out.stride(2), part_lse.stride(0), part_lse.stride(1),
+                out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+                HEAD_DIM=head_dim, BLOCK_S=next_power_of_2(num_splits), BLOCK_D=next_power_of_2(head_dim),
+                num_warps=4,
+            )
     return out, lse
 

@@ -17,7 +17,7 @@ import triton
 import triton.language as tl
 
 from ._common import check_int_tensor, check_paged_cache, check_queries, dot, ieee_dot, exp2_scale
-from ._common import interpreted, padded_head_dim
+from ._common import interpreted, on_device, padded_head_dim
 
 _LN2 = tl.constexpr(0.6931471805599453)
 
@@ -144,13 +144,14 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
     block_m, block_n, num_warps, num_stages = _tile_config(q, head_dim)
     grid = (triton.cdiv(max_seqlen_q, block_m), num_q_heads, batch)
-    _prefill_kernel[grid](
-        q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, lse, exp2_scale(scale),
-        q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
-        out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
-        BLOCK_D=padded_head_dim(head_dim), IEEE=ieee_dot(q.dtype), UPCAST=interpreted(q.device),
-        num_warps=num_warps, num_stages=num_stages,
-    )
+    with on_device(q):  # Triton launches on the current device
+        _prefill_kernel[grid](
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, lse, exp2_scale(scale),
+            q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
+            out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
+            BLOCK_D=padded_head_dim(head_dim), IEEE=ieee_dot(q.dtype), UPCAST=interpreted(q.device),
+            num_warps=num_warps, num_stages=num_stages,
+        )
     return out, lse

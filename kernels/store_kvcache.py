@@ -12,7 +12,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_int_tensor, check_paged_cache, next_power_of_2
+from ._common import check_int_tensor, check_paged_cache, next_power_of_2, on_device
 
 
 @triton.jit
@@ -65,12 +65,13 @@ def store_kvcache(
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     block_h, block_d = next_power_of_2(num_kv_heads), next_power_of_2(head_dim)
-    _store_kvcache_kernel[(key.shape[0],)](
-        key, value, k_cache, v_cache, slot_mapping,
-        key.stride(0), key.stride(1), value.stride(0), value.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
-        BLOCK_H=block_h, BLOCK_D=block_d,
-        num_warps=4 if block_h * block_d >= 1024 else 1,
-    )
+    with on_device(key):  # Triton launches on the current device
+        _store_kvcache_kernel[(key.shape[0],)](
+            key, value, k_cache, v_cache, slot_mapping,
+            key.stride(0), key.stride(1), value.stride(0), value.stride(1),
+            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+            NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_SIZE=block_size,
+            BLOCK_H=block_h, BLOCK_D=block_d,
+            num_warps=4 if block_h * block_d >= 1024 else 1,
+        )

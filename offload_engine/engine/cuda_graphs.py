@@ -77,7 +77,7 @@ class DecodeGraphs:
             self.pool = graph.pool()
             graphs.append(graph)
             outputs.append(prev)
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.capture_stream.device)
         self.graphs[size], self.outputs[size] = graphs, outputs
 
     @torch.inference_mode()
@@ -98,7 +98,7 @@ class DecodeGraphs:
         with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
             logits = step()
         self.pool = graph.pool()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.capture_stream.device)
         self.whole[size] = (graph, logits)
 
     def release(self) -> None:

@@ -15,7 +15,7 @@ PRIORITIES = {"device": -1, "host": 0}  # lower is more urgent: the device lane'
 def engine_stream(device: torch.device, name: str) -> torch.cuda.Stream:
     """The process-wide stream `name` ("device", "host", "capture-device", "capture-host", "prefill-writes": the
     host-tier prefill's copies to the host) on `device`."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+    index = device.index or 0  # the engine names its GPU by index (EngineConfig.validate): never the current one
     key = (index, name)
     if key not in _streams:
         _streams[key] = torch.cuda.Stream(torch.device("cuda", index), priority=PRIORITIES.get(name, 0))

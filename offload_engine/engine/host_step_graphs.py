@@ -136,7 +136,7 @@ class HostStepGraphs:
             with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
                 logits = self._step(size, gated=True, device_part=device_part)
         self.pool = graph.pool()
-        torch.cuda.synchronize()
+        torch.cuda.synchronize(self.capture_stream.device)
         self.whole[size, device_part] = (graph, logits)
 
     def release(self) -> None:

@@ -116,7 +116,7 @@ class Attention(nn.Module):
         if self.ring is None:
             return [_to_host(t) for t in tensors], None, _record_event(tensors[0])
         staged, region = self.ring.take((len(tensors), *tensors[0].shape), tensors[0].dtype)
-        self.copy_stream.wait_stream(torch.cuda.current_stream())
+        self.copy_stream.wait_stream(torch.cuda.current_stream(tensors[0].device))
         with torch.cuda.stream(self.copy_stream):
             for t, host in zip(tensors, staged):
                 host.copy_(t, non_blocking=True)
