@@ -1,0 +1,144 @@
+"""Two GPUs against one (issue 13): prefill/decode separation and tensor parallelism, measured side by side.
+
+    python -m benchmarks.bench_multi_gpu --entries greedy pd tp --out-dir benchmarks/results/nvidia-h200-x2
+
+- `pd`: the offload suite's workload b (benchmarks/workloads.py, the full profile's prompt-heavy specs, 0.6B and
+  8B shapes) on one GPU and with `prefill_device`, in "gpu" and "auto" at the same device budget per decode GPU.
+  Ratio: PD tok/s over one GPU's.
+- `tp`: the 8B shape, decode-heavy (64 x (1024 + 1024)), tensor_parallel_size=2 against 1: "gpu" at a budget both
+  hold, and "auto" at a budget beyond what one GPU's pool holds of the batch (the suite's 24 GiB-card budget).
+- `greedy`: the tiny models of the test suite in float32, greedy tokens of PD and of TP=2 against the single-GPU
+  engine's (and against each other), so the measured modes are known to compute the same thing.
+
+Each entry is merged into `multi_gpu.json` in the output folder, so entries can run in separate device calls.
+Set NCCL_NVLS_ENABLE=0, TORCH_SYMM_MEM_DISABLE_MULTICAST=1 and NVSHMEM_DISABLE_NVLS=1 (done here, before any CUDA
+work, and inherited by the ranks the engine spawns): the lent hosts must keep NVLink multicast off.
+"""
+import argparse
+import json
+import os
+import tempfile
+
+for _name in ("NCCL_NVLS_ENABLE", "TORCH_SYMM_MEM_DISABLE_MULTICAST", "NVSHMEM_DISABLE_NVLS"):
+    os.environ[_name] = "0" if _name == "NCCL_NVLS_ENABLE" else "1"
+
+import torch  # noqa: E402
+
+from benchmarks.bench_throughput import model_dir  # noqa: E402
+from benchmarks.engine_run import measure, random_prompts  # noqa: E402
+from benchmarks.workloads import PROFILES, QWEN3_8B_ON_24_GIB  # noqa: E402
+
+BLOCK_SIZE = 16
+
+
+def _budget_runs(path: str, spec, budget: int, modes: dict[str, dict], placements=("gpu", "auto")) -> list[dict]:
+    """Every placement x mode at one device budget; each run is one LLM made and closed."""
+    prompts = random_prompts([spec.prompt_len] * spec.num_seqs, 10000, seed=1)
+    seq_len = spec.prompt_len + spec.output_len
+    runs = []
+    for placement in placements:
+        for mode, extra in modes.items():
+            kwargs = dict(max_model_len=seq_len, max_num_seqs=spec.num_seqs, block_size=BLOCK_SIZE,
+                          kv_placement=placement, num_gpu_blocks=budget, **extra)
+            if placement == "auto":
+                kwargs["cpu_kv_cache_gb"] = round(1.1 * spec.num_seqs * seq_len * _kv_bytes(path) / 2**30 + 0.5, 1)
+            print(f"  {spec.model} {spec.num_seqs} x ({spec.prompt_len}+{spec.output_len}) {placement} {mode} "
+                  f"@{budget} blocks", flush=True)
+            try:
+                result = measure(path, prompts, [spec.output_len] * spec.num_seqs, **kwargs)
+            except (ValueError, RuntimeError, torch.OutOfMemoryError) as error:
+                result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            print(f"    {result.get('output_tok_per_s', 0):.0f} output tok/s {result.get('error', '')}", flush=True)
+            runs.append({"placement": placement, "mode": mode, "budget_blocks": budget, **result})
+    return runs
+
+
+def _ratios(runs: list[dict], mode: str, baseline: str) -> dict:
+    rate = {(r["placement"], r["mode"], r["budget_blocks"]): r.get("output_tok_per_s") for r in runs}
+    return {f"{placement}:{mode}/{baseline}@{budget}": value / rate[(placement, baseline, budget)]
+            for (placement, m, budget), value in rate.items()
+            if m == mode and value and rate.get((placement, baseline, budget))}
+
+
+def _kv_bytes(path: str) -> int:
+    from offload_engine.config import ModelConfig
+
+    config = ModelConfig.from_model_dir(path)
+    return config.kv_bytes_per_token(config.dtype)
+
+
+def entry_pd(cache: str, models: list[str]) -> dict:
+    """PD against one GPU on workload b: decode on cuda:1 with prefill on cuda:0, against everything on cuda:1."""
+    modes = {"one_gpu": dict(device="cuda:1"), "pd": dict(device="cuda:1", prefill_device="cuda:0")}
+    runs = []
+    for spec in PROFILES["full"].b:
+        if spec.name != "b" or spec.model not in models:
+            continue
+        total = spec.num_seqs * -(-(spec.prompt_len + spec.output_len) // BLOCK_SIZE)
+        path = model_dir(spec.model, cache)
+        runs += _budget_runs(path, spec, max(1, total // 4), modes)
+    return {"runs": runs, "ratios": _ratios(runs, "pd", "one_gpu")}
+
+
+def entry_tp(cache: str) -> dict:
+    """TP=2 against TP=1 on the 8B shape, decode-heavy; auto at a budget that holds ~0.4 of the batch's KV."""
+    spec = next(s for s in PROFILES["full"].b if s.name == "dh" and s.model == "qwen3-8b")
+    path = model_dir(spec.model, cache)
+    modes = {"tp1": dict(device="cuda:0"), "tp2": dict(device="cuda:0", tensor_parallel_size=2)}
+    total = spec.num_seqs * -(-(spec.prompt_len + spec.output_len) // BLOCK_SIZE)
+    runs = _budget_runs(path, spec, total, modes, placements=("gpu",))  # the whole batch on the device
+    runs += _budget_runs(path, spec, QWEN3_8B_ON_24_GIB, modes, placements=("gpu", "auto"))
+    return {"runs": runs, "ratios": _ratios(runs, "tp2", "tp1")}
+
+
+def entry_greedy() -> dict:
+    """Greedy tokens of PD and TP=2 equal the single-GPU engine's, for each tiny architecture, float32."""
+    from offload_engine import LLM, SamplingParams
+    from offload_engine.tiny_model import build_tiny_model
+
+    shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+    prompts = random_prompts([1, 16, 33, 47, 100], 256, seed=5)
+    params = SamplingParams(temperature=0, max_tokens=24)
+    modes = {"one_gpu": dict(device="cuda:1"), "pd": dict(device="cuda:1", prefill_device="cuda:0"),
+             "tp2": dict(device="cuda:0", tensor_parallel_size=2)}
+    results = {}
+    with tempfile.TemporaryDirectory() as root:
+        for seed, arch in enumerate(("qwen3", "llama", "qwen2")):
+            path = build_tiny_model(os.path.join(root, arch), arch, seed=seed, with_tokenizer=False, **shape)
+            for placement in ("gpu", "auto"):
+                pools = dict(num_gpu_blocks=8, num_cpu_blocks=64, cpu_block_size=16) if placement == "auto" else {}
+                tokens = {}
+                for mode, extra in modes.items():
+                    with LLM(path, dtype="float32", kv_placement=placement, **pools, **extra) as llm:
+                        tokens[mode] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+                same = {mode: tokens[mode] == tokens["one_gpu"] for mode in modes if mode != "one_gpu"}
+                results[f"{arch}:{placement}"] = same
+                print(f"  {arch} {placement}: equal to one GPU {same}", flush=True)
+    return {"equal": results, "all_equal": all(all(v.values()) for v in results.values())}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--entries", nargs="+", choices=("greedy", "pd", "tp"), default=["greedy", "pd", "tp"])
+    parser.add_argument("--pd-models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
+    parser.add_argument("--out-dir", default="benchmarks/results/nvidia-h200-x2")
+    parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "offload-engine-models"))
+    args = parser.parse_args()
+    if torch.cuda.device_count() < 2:
+        raise SystemExit(f"bench_multi_gpu needs two GPUs; torch sees {torch.cuda.device_count()}")
+    os.makedirs(args.out_dir, exist_ok=True)
+    out = os.path.join(args.out_dir, "multi_gpu.json")
+    found = json.load(open(out)) if os.path.isfile(out) else {}
+    found["device"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    for entry in args.entries:
+        print(f"[{entry}]", flush=True)
+        found[entry] = {"greedy": entry_greedy, "pd": lambda: entry_pd(args.cache, args.pd_models),
+                        "tp": lambda: entry_tp(args.cache)}[entry]()
+        with open(out, "w") as f:  # after each entry: a later one that runs out of time keeps the earlier
+            json.dump(found, f, indent=1)
+        print(json.dumps(found[entry].get("ratios", found[entry].get("equal")), indent=1), flush=True)
+
+
+if __name__ == "__main__":
+    main()
