@@ -31,7 +31,7 @@ class CpuAttentionExecutor:
         asks for its own dtype only and starts this before it loads the weights."""
         cores = numba.config.NUMBA_NUM_THREADS
         if num_threads is None:
-            num_threads = max(1, cores - 2)
+            num_threads = host_threads()
         if not 1 <= num_threads <= cores:
             raise ValueError(f"CpuAttentionExecutor: num_threads must be in 1..{cores} (NUMBA_NUM_THREADS), got "
                              f"{num_threads}")
@@ -62,6 +62,12 @@ class CpuAttentionExecutor:
 
     def __exit__(self, *exc):
         self.shutdown()
+
+
+def host_threads(ranks: int = 1) -> int:
+    """Kernel threads of one executor: all cores but two (see CpuAttentionExecutor), split evenly between the
+    executors of `ranks` tensor-parallel ranks on this host, each of which holds its share of the KV heads."""
+    return max(1, (numba.config.NUMBA_NUM_THREADS - 2) // ranks)
 
 
 def _timed(fn, *args) -> float:

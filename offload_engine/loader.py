@@ -1,4 +1,9 @@
-"""Builds a model from a Hugging Face directory. Weights come from safetensors only: never unpickled."""
+"""Builds a model from a Hugging Face directory. Weights come from safetensors only: never unpickled.
+
+Under tensor parallelism each rank reads only its own slice of each checkpoint tensor (safetensors' get_slice):
+the layers say which rows or columns are theirs (layers/linear.py, layers/embedding.py), and a rank never holds
+a whole sharded tensor, not even while loading.
+"""
 import glob
 import json
 import os
@@ -7,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from offload_engine.config import ModelConfig
+from offload_engine.distributed.parallel_state import Partition
 from offload_engine.models.registry import model_class
 
 _PICKLE_PATTERNS = ("pytorch_model*.bin", "*.pt", "*.pth", "*.ckpt")
@@ -32,13 +38,15 @@ def weight_files(model_dir: str) -> list[str]:
     raise OSError(f"{model_dir!r} has no *.safetensors weights")
 
 
-def build_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int):
+def build_model(cfg: ModelConfig, model_dir: str, dtype: torch.dtype, device: torch.device, max_position: int,
+                tp: Partition = Partition()):
+    """cfg: the whole model's shape; tp: the slice of it this process holds and loads."""
     files = weight_files(model_dir)  # fail on missing or pickled weights before allocating anything
     default_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = model_class(cfg.architecture)(cfg, max_position)
+            model = model_class(cfg.architecture)(cfg, max_position, tp)
     finally:
         torch.set_default_dtype(default_dtype)
     load_weights(model, files)
@@ -55,18 +63,36 @@ def load_weights(model: torch.nn.Module, files: list[str]) -> None:
                 if target is None or target[0] not in params:
                     continue
                 param_name, shard = target
-                tensor = f.get_tensor(name)
-                if shard is None:
-                    if tuple(tensor.shape) != tuple(params[param_name].shape):
-                        raise ValueError(f"weight {name!r} has shape {tuple(tensor.shape)}, the config implies "
-                                         f"{tuple(params[param_name].shape)}: is config.json from this checkpoint?")
-                    params[param_name].data.copy_(tensor)
-                else:
-                    module = model.get_submodule(param_name.rsplit(".", 1)[0])
-                    module.load_shard(params[param_name], shard, tensor)
+                module = model.get_submodule(param_name.rsplit(".", 1)[0])
+                try:
+                    if hasattr(module, "load_weight"):  # it takes its rank's rows or columns (or fused part)
+                        module.load_weight(params[param_name], _LazySlice(f.get_slice(name)), shard)
+                    else:  # replicated (norms): whole on every rank
+                        _copy_whole(params[param_name], f.get_tensor(name))
+                except ValueError as error:
+                    raise ValueError(f"weight {name!r} {error}: is config.json from this checkpoint?") from None
                 missing.discard(param_name)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights the model needs, e.g. {sorted(missing)[:3]}")
+
+
+def _copy_whole(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
+    if tuple(tensor.shape) != tuple(param.shape):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, the config implies {tuple(param.shape)}")
+    param.data.copy_(tensor)
+
+
+class _LazySlice:
+    """A checkpoint tensor not read yet: `.shape`, and `.narrow(dim, start, length)` reads just that part (of a
+    2-D weight or a 1-D bias), as a layer's load_weight asks for it."""
+
+    def __init__(self, safe_slice):
+        self.slice = safe_slice
+        self.shape = tuple(safe_slice.get_shape())
+
+    def narrow(self, dim: int, start: int, length: int) -> torch.Tensor:
+        index = (slice(None),) * dim + (slice(start, start + length),)
+        return self.slice[index]
 
 
 def _target(model, checkpoint_name: str):

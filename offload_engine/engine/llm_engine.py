@@ -25,6 +25,11 @@ scheduled and queued the next one, which takes them on the device. So the host's
 inputs, launch) runs while the GPU computes step N, and the GPU never waits for Python between decode steps. A
 row that finished at step N has computed one more token in step N+1, which is dropped. A prefill step reads the
 step in flight first.
+
+Prefill/decode separation (`prefill_device`): device-tier prompts are prefilled on another device, on a "prefill
+lane" thread (engine/prefill_lane.py), and their KV crosses to this one once (engine/kv_handoff.py). The engine's
+thread keeps stepping both decode lanes meanwhile, and takes a prompt in, as a row that decodes, once its KV has
+landed.
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -36,6 +41,7 @@ from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.model_runner import ModelRunner
 from offload_engine.engine.move_staging import split_moves
 from offload_engine.engine.placement import can_ever_fit
+from offload_engine.engine.prefill_lane import PrefillLane
 from offload_engine.engine.scheduler import Scheduler
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
@@ -52,11 +58,17 @@ class StepStats:
 
 
 class LLMEngine:
+    # Prefill/decode separation: the prefill device's lane, or None (also for engines that benchmarks/
+    # simulate_placement.py assembles without __init__).
+    prefill: PrefillLane | None = None
+
     def __init__(self, model_dir: str, model_cfg: ModelConfig, cfg: EngineConfig, dtype, max_model_len: int,
                  eos_token_ids: tuple[int, ...]):
         self.cfg = cfg
         self.max_model_len = max_model_len
-        self.runner = ModelRunner(model_dir, model_cfg, cfg, dtype, max_model_len)
+        from offload_engine.distributed import make_runner  # a ModelRunner, or rank 0's of tensor parallelism
+
+        self.runner = make_runner(model_dir, model_cfg, cfg, dtype, max_model_len)
         self.closed = False
         self.blocks = BlockManager(self.runner.num_gpu_blocks, cfg.block_size, self.runner.num_cpu_blocks,
                                    cfg.cpu_block_size, cfg.enable_prefix_caching)
@@ -72,6 +84,12 @@ class LLMEngine:
         self.pending = None  # async scheduling: the device-lane step queued last, whose tokens are not read yet
         self._resolved_at = 0.0  # when the device lane's latest step was read: steps in a row are timed from it
         self.decoded_by_lane = {"device": 0, "host": 0}  # tokens each lane decoded (benchmarks report the split)
+        try:
+            self.prefill = PrefillLane.start(model_dir, model_cfg, cfg, dtype, max_model_len, self.runner,
+                                             self.blocks) if cfg.prefill_device is not None else None
+        except BaseException:
+            self.runner.close()  # a failed start leaves no threads or pinned memory behind
+            raise
 
     def make_sequence(self, token_ids: list[int], params) -> Sequence:
         """A sequence for the request, or ValueError if no pool it may use could ever hold it."""
@@ -101,6 +119,8 @@ class LLMEngine:
         start = time.perf_counter()
         finished, num_tokens = self._take_host_step(wait=False)
         self._land_promotions(wait=False)
+        more, prefilled, prefill_seconds = self.prefill.take(self.scheduler) if self.prefill else ([], 0, 0.0)
+        finished += more
         # Host-tier sequences take freed device room before new requests do, as "gpu" re-admits its
         # preempted sequences first (engine/placement.py).
         # Where promotions need the executor, which a whole-step host loop holds until its step is back, promote
@@ -110,7 +130,7 @@ class LLMEngine:
         moves = self.scheduler.schedule_promotions() if promotes_now else []
         if moves:
             self._promote(moves)
-        batch = self.scheduler.schedule_prefill()
+        batch = self._schedule_prefill()
         if batch:
             finished += self._resolve_device_step()
             finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=True))
@@ -130,7 +150,8 @@ class LLMEngine:
         if batch:
             launched = self.runner.run(batch, is_prefill=False)
             self.scheduler.launched(launched.seqs)
-            launched.host_busy, launched.quiet = self.in_flight is not None, not (moves or demoted or self.promoting)
+            copying = moves or demoted or self.promoting or (self.prefill is not None and self.prefill.landing)
+            launched.host_busy, launched.quiet = self.in_flight is not None, not copying
             finished += self._resolve_device_step()  # the step before: the GPU has this one queued behind it
             self.pending = launched
             if not self.cfg.async_scheduling:
@@ -141,6 +162,10 @@ class LLMEngine:
             finished += self._resolve_device_step()
         elif self.promoting:
             self._land_promotions(wait=True)  # the device lane's next rows, a few ms away
+        elif self.prefill is not None and self.prefill.busy:
+            if self.in_flight is None:  # (as below: a lane the cost check held back steps now)
+                self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU))
+            self.prefill.wait(self.in_flight[1] if self.in_flight else None)  # rows for either lane, taken in next
         elif self.in_flight is not None or self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU)):
             # Nothing else to do until it is back. (A lane the cost check held back steps here too, once the
             # device lane has no rows left this step.)
@@ -148,7 +173,16 @@ class LLMEngine:
             finished, num_tokens = finished + more, num_tokens + count
         elif not num_tokens:
             raise RuntimeError("the scheduler found no runnable work although requests are pending")
+        if prefilled and not num_tokens:  # a step that decoded nothing reports the prefill it took in
+            return StepStats(True, prefilled, prefill_seconds, finished)
         return StepStats(False, num_tokens, time.perf_counter() - start, finished)
+
+    def _schedule_prefill(self) -> list[Sequence]:
+        """The prompt chunks to run on this device now. With a prefill lane, its rows go there instead, one batch
+        at a time (engine/prefill_lane.py), and the decode lanes step below while it computes."""
+        if self.prefill is None:
+            return self.scheduler.schedule_prefill()
+        return [] if self.prefill.computing else self.prefill.submit(self.scheduler.schedule_prefill())
 
     def _resolve_device_step(self) -> list[Sequence]:
         """Reads the device-lane step in flight, if any, and records its tokens; returns the rows it finished.
@@ -236,6 +270,8 @@ class LLMEngine:
             self.pending = None
             self.runner.device_decode.forget()
         self.runner.drain_host_work()  # promotions' copies included
+        if self.prefill is not None:
+            self.prefill.abort()  # its step and its copies write both pools
         self.promoting = []
         self.scheduler.reset()
         self.blocks.reset()
@@ -247,4 +283,6 @@ class LLMEngine:
         self.closed = True
         self.host_lane.shutdown(wait=True, cancel_futures=True)  # a host step in flight finishes first
         self.in_flight, self.promoting, self.pending = None, [], None
+        if self.prefill is not None:
+            self.prefill.close()  # before the decode pool goes: its copies write there
         self.runner.close()

@@ -44,12 +44,14 @@ def layer_views(stacked: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]
 
 @torch.inference_mode()
 def profile_free_kv_bytes(runner) -> int:
-    cfg = runner.cfg
-    torch.cuda.synchronize()
+    """Measured on the runner's own device, never the current one: a tensor-parallel rank 0 on cuda:i measures
+    cuda:i whatever device the caller's thread has current."""
+    cfg, device = runner.cfg, runner.device
+    torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    free, total = torch.cuda.mem_get_info()
-    allocated_before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats(device)
+    free, total = torch.cuda.mem_get_info(device)
+    allocated_before = torch.cuda.memory_allocated(device)
 
     seq_len = min(runner.max_model_len, cfg.max_num_batched_tokens)
     num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // seq_len))
@@ -58,20 +60,20 @@ def profile_free_kv_bytes(runner) -> int:
     pool_bytes = pool.nbytes
     runner.bind_kv_caches(layer_views(pool), None)
     run_dummy_prefill(runner, num_seqs, seq_len)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - allocated_before - pool_bytes
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - allocated_before - pool_bytes
     del pool
     runner.bind_kv_caches([(None, None)] * runner.model_cfg.num_layers, None)
     torch.cuda.empty_cache()
 
     # The sampler's peak for a full batch, once per decode lane: each lane samples on its own stream, and the
     # caching allocator keeps each stream's blocks apart (ModelRunner._reserve_step_memory).
-    torch.cuda.reset_peak_memory_stats()
-    base = torch.cuda.memory_allocated()
-    sample(*largest_sampling_step(cfg.max_num_seqs, runner.model_cfg.vocab_size, runner.device))
-    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    sample(*largest_sampling_step(cfg.max_num_seqs, runner.model_cfg.vocab_size, device))
+    torch.cuda.synchronize(device)
     lanes = 2 if runner.host_pool is not None else 1
-    sampler = lanes * (torch.cuda.max_memory_allocated() - base)
+    sampler = lanes * (torch.cuda.max_memory_allocated(device) - base)
     torch.cuda.empty_cache()
     return int(total * cfg.gpu_memory_utilization - (total - free) - peak - sampler)
 

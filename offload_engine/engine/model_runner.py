@@ -1,4 +1,10 @@
-"""Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens."""
+"""Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens.
+
+Under tensor parallelism every rank has a ModelRunner of its own for its slice of the model (tp), and rank 0's
+engine drives them all, call for call (offload_engine/distributed/). A rank's pools and host executor hold its
+share of the KV heads and of the host's cores; the pool sizes each rank measures are agreed (the smallest wins),
+so a block id means the same on every rank.
+"""
 import contextlib
 import time
 
@@ -6,6 +12,8 @@ import torch
 
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from offload_engine.config import EngineConfig, ModelConfig
+from offload_engine.distributed import parallel_state
+from offload_engine.distributed.parallel_state import Partition
 from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.deferred_tokens import DeferredTokens
 from offload_engine.engine.device_decode import DeviceLaneDecode
@@ -25,8 +33,12 @@ from offload_engine.loader import build_model
 
 class ModelRunner:
     def __init__(self, model_dir: str, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype,
-                 max_model_len: int):
-        self.cfg, self.model_cfg, self.dtype = cfg, model_cfg, dtype
+                 max_model_len: int, tp: Partition = Partition()):
+        """model_cfg: the whole model; tp: the slice of it this runner holds (rank 0 of 1: all of it). Under tensor
+        parallelism cfg.device is this rank's device, and the caller runs it as the device lane
+        (parallel_state.lane): start-up makes collectives."""
+        self.tp, self.whole_model_cfg = tp, model_cfg
+        self.cfg, self.model_cfg, self.dtype = cfg, tp.local_shape(model_cfg), dtype  # model_cfg: this rank's heads
         self.device = cfg.torch_device
         self.max_model_len = max_model_len
         self.model = self.backend = self.device_pool = self.device_stacked = self.host_pool = self.executor = None
@@ -45,7 +57,11 @@ class ModelRunner:
         self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
         self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
         try:
-            self._start(model_dir)
+            # Start-up made on this runner's GPU whatever device the caller's thread has current: what it does not
+            # name a device for (graph capture's syncs, the allocator's cache) follows the current one. Steps need no
+            # such scope: each runs under its lane's stream, which makes the stream's device current.
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                self._start(model_dir)
         except BaseException:
             self.close()  # a half-made runner releases what it had made (pinned memory, threads)
             raise
@@ -57,7 +73,8 @@ class ModelRunner:
         self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
         if self.host_pool is not None and self.device.type == "cuda":
             self.ring = PinnedRing()
-        self.model = build_model(self.model_cfg, model_dir, self.dtype, self.device, max_position=self.max_model_len)
+        self.model = build_model(self.whole_model_cfg, model_dir, self.dtype, self.device,
+                                 max_position=self.max_model_len, tp=self.tp)
         self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size)
         # Each lane builds its own steps' inputs, from pinned memory of its own (step_inputs.py); the device
         # lane's decode rows stay in place across steps (input_batch.py).
@@ -67,7 +84,7 @@ class ModelRunner:
         self.device_decode = DeviceLaneDecode(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
                                               self.cfg.block_size, self.device)
         self.startup_seconds["weights"] = time.perf_counter() - began
-        self.num_gpu_blocks = size_device_pool(self)
+        self.num_gpu_blocks = self._agreed(size_device_pool(self))
         self.device_stacked = allocate_device_pool(self.model_cfg, self.num_gpu_blocks, self.cfg.block_size,
                                                    self.dtype, self.device)
         self.device_pool = layer_views(self.device_stacked)
@@ -88,8 +105,9 @@ class ModelRunner:
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
         # Tokens of a layer-major prefill segment (engine/prefill_segment.py): only staged rows take segments.
-        self.segment_tokens = 0 if self.host_pool is None else (self.cfg.prefill_segment_tokens or segment_capacity(
-            self.model_cfg, self.dtype, self.device, self.cfg.max_num_batched_tokens, self.max_model_len))
+        if self.host_pool is not None:
+            self.segment_tokens = self._agreed(self.cfg.prefill_segment_tokens or segment_capacity(
+                self.model_cfg, self.dtype, self.device, self.cfg.max_num_batched_tokens, self.max_model_len))
         self.startup_seconds["total"] = time.perf_counter() - began
 
     def _reserve_step_memory(self) -> None:
@@ -111,6 +129,10 @@ class ModelRunner:
                 sample(*largest_sampling_step(self.cfg.max_num_seqs, self.model_cfg.vocab_size, self.device))
             stream.synchronize()
 
+    def _agreed(self, value: int) -> int:
+        """A size this rank measured, agreed across the ranks (the smallest); with one rank, the size."""
+        return value if self.tp.size == 1 else parallel_state.smallest(value, self.device)
+
     # ---- pools -------------------------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
         return block_size * self.model_cfg.kv_bytes_per_token(self.dtype)
@@ -123,15 +145,17 @@ class ModelRunner:
         wants_host = self.cfg.kv_placement != "gpu" or self.cfg.num_cpu_blocks or self.cfg.cpu_kv_cache_gb
         if not wants_host:
             return 0, None, None
-        from cpu_attention import CpuAttentionExecutor
+        from cpu_attention.executor import CpuAttentionExecutor, host_threads
 
         size = self.cfg.cpu_block_size
-        blocks = host_pool_blocks(self.block_bytes(size), self.cfg.num_cpu_blocks, self.cfg.cpu_kv_cache_gb,
-                                  self.wanted_blocks(size))
+        # Counted in the whole model's bytes: every rank holds the same blocks, each with its share of the heads,
+        # so cpu_kv_cache_gb and the cap on spare memory are for all ranks together, as with one.
+        blocks = self._agreed(host_pool_blocks(self.block_bytes(size) * self.tp.size, self.cfg.num_cpu_blocks,
+                                               self.cfg.cpu_kv_cache_gb, self.wanted_blocks(size)))
         cfg = self.model_cfg
         # numba compiles (or loads its on-disk cache) the kernels for this dtype on the executor's thread now,
-        # not inside the first step; the caller joins it once the weights are in.
-        executor = CpuAttentionExecutor(dtypes=(self.dtype,))
+        # not inside the first step; the caller joins it once the weights are in. Ranks share the host's cores.
+        executor = CpuAttentionExecutor(num_threads=host_threads(self.tp.size), dtypes=(self.dtype,))
         pool = HostKVPool(cfg.num_layers, blocks, cfg.num_kv_heads, size, cfg.head_dim, self.dtype,
                           pin_device=self.device if self.device.type == "cuda" else None)
         return blocks, pool, executor
@@ -148,7 +172,9 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> dict:
         """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (whole steps whose
         attention the host kernel does between gates: host_step_graphs.py)."""
-        if self.device.type != "cuda" or self.cfg.enforce_eager:
+        # Tensor parallelism runs eagerly for now: its collectives inside captured graphs (two lanes, two NCCL
+        # communicators) are not verified on a GPU yet (distributed/tp_runner.py).
+        if self.device.type != "cuda" or self.cfg.enforce_eager or self.tp.size > 1:
             return {}
         from offload_engine.engine.cuda_graphs import DecodeGraphs
 

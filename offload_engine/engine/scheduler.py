@@ -55,10 +55,11 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule_prefill(self) -> list[Sequence]:
-        """Prompt chunks for the next step (running prefills first, then admissions); empty if none."""
+        """Prompt chunks for the next step (running prefills first, then admissions); empty if none. A prefill in
+        flight (its chunk on the prefill lane, or its KV crossing: engine/prefill_lane.py) waits until it is back."""
         budget, batch = self.max_num_batched_tokens, []
         for seq in self.running:
-            if seq.in_prefill and budget > 0:
+            if seq.in_prefill and not seq.in_flight and budget > 0:
                 budget -= self._take_chunk(seq, budget)
                 batch.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:

@@ -46,8 +46,8 @@ class Sequence:
         self.num_scheduled_tokens = 0  # tokens this step computes
         self.num_hashed_blocks = 0  # leading full blocks already registered for prefix reuse
         self.finish_reason: str | None = None
-        # In a host-lane decode step that has not come back yet, or promoted with its KV still crossing (CUDA): not
-        # to be touched.
+        # In a host-lane decode step that has not come back yet, promoted with its KV still crossing (CUDA), or on
+        # the prefill lane (its chunk computing there, or its KV crossing to the decode device): not to be touched.
         self.in_flight = False
 
     def __len__(self) -> int:

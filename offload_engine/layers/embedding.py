@@ -1,22 +1,61 @@
+"""The token embedding and the LM head, vocab-parallel under tensor parallelism.
+
+Each rank holds the rows of one contiguous range of the vocabulary, padded to a multiple of the ranks (the padding
+rows are zero and no token id reaches them). The embedding looks up the ids in its range, zeroes the rest, and sums
+over the ranks. The head computes its range's logits and gathers every range, so every rank holds the same full
+logits: with the same sampling keys each rank samples the same ids, no token is ever sent between ranks, and the
+device lane's async scheduling (sampled ids feeding the next step on the device) works on every rank as it is.
+With one rank both are the plain lookup and projection: the same parameters, the same single call.
+"""
 import torch
 from torch import nn
 
+from offload_engine.distributed.parallel_state import Partition, all_gather, all_reduce
 
-class VocabEmbedding(nn.Module):
-    def __init__(self, vocab_size: int, hidden_size: int):
+WHOLE = Partition()
+
+
+class _VocabRows(nn.Module):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: Partition):
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+        self.vocab_size, self.tp = vocab_size, tp
+        padded = -(-vocab_size // tp.size) * tp.size
+        self.rows = tp.share(padded)  # this rank's vocabulary range: [first, first + rows)
+        self.first = tp.start(padded)
+        self.weight = nn.Parameter(torch.empty(self.rows, hidden_size), requires_grad=False)
+        self.real_rows = max(0, min(self.rows, vocab_size - self.first))  # the rest is padding
+        self.weight.data[self.real_rows :].zero_()
+
+    def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:
+        whole = (self.vocab_size, param.shape[1])
+        if tuple(tensor.shape) != whole:
+            raise ValueError(f"has shape {tuple(tensor.shape)}, the config implies {whole}")
+        param.data[: self.real_rows].copy_(tensor.narrow(0, self.first, self.real_rows))
+
+
+class VocabEmbedding(_VocabRows):
+    def __init__(self, vocab_size: int, hidden_size: int, tp: Partition = WHOLE):
+        super().__init__(vocab_size, hidden_size, tp)
 
     def forward(self, token_ids: torch.Tensor) -> torch.Tensor:
-        return nn.functional.embedding(token_ids, self.weight)
+        if self.tp.size == 1:
+            return nn.functional.embedding(token_ids, self.weight)
+        local = token_ids - self.first
+        outside = (local < 0) | (local >= self.rows)
+        hidden = nn.functional.embedding(local.masked_fill(outside, 0), self.weight)
+        return all_reduce(hidden.masked_fill_(outside.unsqueeze(-1), 0))
 
 
-class LMHead(nn.Module):
+class LMHead(_VocabRows):
     """Projects hidden states to float32 logits; only the rows that will be sampled are passed in."""
 
-    def __init__(self, vocab_size: int, hidden_size: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size), requires_grad=False)
+    def __init__(self, vocab_size: int, hidden_size: int, tp: Partition = WHOLE):
+        super().__init__(vocab_size, hidden_size, tp)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(hidden, self.weight).float()
+        if self.tp.size == 1:
+            return nn.functional.linear(hidden, self.weight).float()
+        logits = all_gather(nn.functional.linear(hidden, self.weight), dim=-1)
+        if logits.shape[-1] != self.vocab_size:  # the padding's columns go; the sampler wants whole rows
+            logits = logits[..., : self.vocab_size].contiguous()
+        return logits.float()

@@ -1,13 +1,29 @@
-"""Linear layers, including the fused ones whose weights arrive as separate checkpoint tensors.
+"""Linear layers: replicated, column-parallel (fused q/k/v and gate/up among them) and row-parallel.
 
-Fusing q/k/v and gate/up turns three (two) GEMMs into one; `load_shard` copies one checkpoint tensor
-into its rows of the fused weight, so the loader never needs to know the fusion.
+Fusing q/k/v and gate/up turns three (two) GEMMs into one; `load_weight` copies one checkpoint tensor into its
+rows of the fused weight, so the loader never needs to know the fusion.
+
+Tensor parallelism (tp = parallel_state.Partition): a column-parallel layer holds its rank's slice of the output
+features, and its output stays split (each rank goes on with its own heads or MLP channels); a row-parallel
+layer takes that split input, holds the matching slice of the input features, and sums the ranks' partial outputs
+with one all-reduce, adding the bias once, after it. A fused layer splits each of its parts per rank, so a rank
+holds its own q, k and v heads (gate and up channels) side by side. With one rank every layer is the plain one: the
+same parameters and the same single F.linear call, no collective.
+
+`load_weight(param, tensor, shard)` takes the whole checkpoint tensor, or anything with `.shape` and `.narrow`
+that reads only what is narrowed (loader.py passes a lazy safetensors slice), and copies this rank's part.
 """
 import torch
 from torch import nn
 
+from offload_engine.distributed.parallel_state import Partition, all_reduce
+
+WHOLE = Partition()
+
 
 class Linear(nn.Module):
+    """Replicated: every rank holds the whole weight."""
+
     def __init__(self, in_features: int, out_features: int, bias: bool = False):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
@@ -16,19 +32,62 @@ class Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return nn.functional.linear(x, self.weight, self.bias)
 
+    def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:
+        param.data.copy_(_narrowed(tensor, tuple(param.shape), 0, 0, param.shape[0]))
 
-class FusedLinear(Linear):
-    """One linear layer holding several checkpoint projections stacked along the output dimension."""
 
-    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False):
-        super().__init__(in_features, sum(shard_sizes.values()), bias)
-        self.shard_offsets, offset = {}, 0
+class ColumnParallelLinear(Linear):
+    """Holds output features [rank * out / size, (rank + 1) * out / size); its output stays split."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: Partition = WHOLE):
+        super().__init__(in_features, tp.share(out_features), bias)
+        self.tp, self.out_features = tp, out_features
+
+    def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:
+        whole = (self.out_features, *param.shape[1:])
+        param.data.copy_(_narrowed(tensor, whole, 0, self.tp.start(self.out_features), param.shape[0]))
+
+
+class FusedLinear(ColumnParallelLinear):
+    """One column-parallel layer holding several checkpoint projections stacked along the output dimension; each
+    rank holds its share of every part, in the parts' order."""
+
+    def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, tp: Partition = WHOLE):
+        super().__init__(in_features, sum(shard_sizes.values()), bias, tp)
+        self.shard_sizes, self.shard_offsets, offset = dict(shard_sizes), {}, 0
         for name, size in shard_sizes.items():
-            self.shard_offsets[name] = (offset, size)
-            offset += size
+            self.shard_offsets[name] = (offset, tp.share(size))  # in this rank's weight
+            offset += tp.share(size)
 
-    def load_shard(self, param: nn.Parameter, shard: str, tensor: torch.Tensor) -> None:
+    def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:
+        whole = self.shard_sizes[shard]
         offset, size = self.shard_offsets[shard]
-        if tensor.shape[0] != size:
-            raise ValueError(f"checkpoint shard {shard!r} has {tensor.shape[0]} rows, the model expects {size}")
-        param.data[offset : offset + size].copy_(tensor)
+        part = _narrowed(tensor, (whole, *param.shape[1:]), 0, self.tp.start(whole), size)
+        param.data[offset : offset + size].copy_(part)
+
+
+class RowParallelLinear(Linear):
+    """Holds input features [rank * in / size, (rank + 1) * in / size) and sums the ranks' outputs."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: Partition = WHOLE):
+        super().__init__(tp.share(in_features), out_features, bias)
+        self.tp, self.in_features = tp, in_features
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return nn.functional.linear(x, self.weight, self.bias)
+        out = all_reduce(nn.functional.linear(x, self.weight))
+        return out if self.bias is None else out.add_(self.bias)  # once, not once per rank
+
+    def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:
+        if param is self.bias:  # whole on every rank
+            return super().load_weight(param, tensor)
+        whole = (param.shape[0], self.in_features)
+        param.data.copy_(_narrowed(tensor, whole, 1, self.tp.start(self.in_features), param.shape[1]))
+
+
+def _narrowed(tensor, whole: tuple, dim: int, start: int, length: int) -> torch.Tensor:
+    """tensor[start : start + length] along dim, once its whole shape is checked against the config's."""
+    if tuple(tensor.shape) != tuple(whole):
+        raise ValueError(f"has shape {tuple(tensor.shape)}, the config implies {tuple(whole)}")
+    return tensor.narrow(dim, start, length)

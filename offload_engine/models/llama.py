@@ -2,31 +2,39 @@
 
 Qwen2 differs by always having q/k/v biases; Qwen3 by RMS-normalizing q and k per head before the rotary
 embedding. Both are subclasses that flip those switches.
+
+Under tensor parallelism (tp: this rank's Partition) each rank holds its share of the heads, the KV heads and the
+MLP channels: q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel (one all-reduce each), the
+embedding and the head vocab-parallel (layers/linear.py, layers/embedding.py). Norms and rotary are replicated.
 """
 import torch
 from torch import nn
 
 from offload_engine.config import ModelConfig
+from offload_engine.distributed.parallel_state import Partition
 from offload_engine.layers.activation import SiluAndMul
 from offload_engine.layers.attention import Attention
 from offload_engine.layers.attention_metadata import AttentionMetadata
 from offload_engine.layers.embedding import LMHead, VocabEmbedding
-from offload_engine.layers.linear import FusedLinear, Linear
+from offload_engine.layers.linear import FusedLinear, RowParallelLinear
 from offload_engine.layers.norm import RMSNorm
 from offload_engine.layers.rotary import RotaryEmbedding
 
 
 class LlamaSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, rotary: RotaryEmbedding,
+                 tp: Partition):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        # This rank's heads: the checkpoint's projections split into whole heads (ModelConfig.check_tensor_parallel).
+        self.num_heads, self.num_kv_heads = tp.share(cfg.num_heads), tp.share(cfg.num_kv_heads)
+        self.head_dim = cfg.head_dim
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias)
-        self.o_proj = Linear(q_size, cfg.hidden_size, bias=o_bias)
+        self.qkv_proj = FusedLinear(cfg.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=qkv_bias, tp=tp)
+        self.o_proj = RowParallelLinear(q_size, cfg.hidden_size, bias=o_bias, tp=tp)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if qk_norm else None
         self.rotary = rotary
-        self.attn = Attention(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
+        self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
 
     def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor):
         """hidden [T, hidden] -> q [T, Hq, D], k/v [T, Hkv, D], normalized (Qwen3) and rotated."""
@@ -40,11 +48,11 @@ class LlamaSelfAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, tp: Partition):
         super().__init__()
         size = cfg.intermediate_size
-        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=cfg.mlp_bias)
-        self.down_proj = Linear(size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=cfg.mlp_bias, tp=tp)
+        self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -52,10 +60,10 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, self_attn: LlamaSelfAttention):
+    def __init__(self, cfg: ModelConfig, self_attn: LlamaSelfAttention, tp: Partition):
         super().__init__()
         self.self_attn = self_attn
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
@@ -75,12 +83,13 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_position: int):
+    def __init__(self, cfg: ModelConfig, qkv_bias: bool, o_bias: bool, qk_norm: bool, max_position: int,
+                 tp: Partition):
         super().__init__()
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         rotary = RotaryEmbedding(cfg.head_dim, max_position, cfg.rope)
         self.layers = nn.ModuleList(
-            LlamaDecoderLayer(cfg, LlamaSelfAttention(cfg, qkv_bias, o_bias, qk_norm, rotary))
+            LlamaDecoderLayer(cfg, LlamaSelfAttention(cfg, qkv_bias, o_bias, qk_norm, rotary, tp), tp)
             for _ in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -122,11 +131,12 @@ class LlamaForCausalLM(nn.Module):
     }
     qk_norm = False
 
-    def __init__(self, cfg: ModelConfig, max_position: int):
+    def __init__(self, cfg: ModelConfig, max_position: int, tp: Partition = Partition()):
+        """cfg: the whole model's shape (the checkpoint's); tp: the slice of it this process holds."""
         super().__init__()
         qkv_bias, o_bias = self.attention_biases(cfg)
-        self.model = LlamaModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.model = LlamaModel(cfg, qkv_bias, o_bias, self.qk_norm, max_position, tp)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 

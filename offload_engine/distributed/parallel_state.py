@@ -1,0 +1,145 @@
+"""Which slice of the model this process holds, and the process groups its collectives go over.
+
+One group per engine lane. The device lane (prefill, device decode, tier moves) and the host lane (host-tier
+decode) call the runner from two threads at once, in an order that differs from run to run, while every rank must
+pair each collective with the same collective of the other ranks. Each lane therefore has a group of its own (a
+communicator of its own under NCCL, its own sockets under gloo), and each lane's calls reach every rank in one
+order (distributed/workers.py): the collectives of one lane pair up, and never with the other lane's. Whoever runs
+a lane's call names the lane for its thread (`lane`), and the layers' collectives (`all_reduce`, `all_gather`)
+take that lane's group.
+
+One tensor-parallel engine per process at a time: torch.distributed keeps its groups per process.
+"""
+import dataclasses
+import datetime
+import threading
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+
+LANES = ("device", "host")
+# A collective waits this long for the other ranks before it fails. It bounds a hang (a rank stuck in a bug);
+# a rank that dies is noticed at once: gloo's sockets close, and the watcher aborts NCCL's groups (workers.py).
+COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+
+
+@dataclasses.dataclass(frozen=True)
+class Partition:
+    """This process's slice of a tensor-parallel model: rank `rank` of `size`. Partition() is the whole model."""
+
+    rank: int = 0
+    size: int = 1
+
+    def share(self, count: int) -> int:
+        """This rank's part of `count` heads, channels or rows (count is a multiple of size)."""
+        return count // self.size
+
+    def start(self, count: int) -> int:
+        """Where this rank's part of `count` begins."""
+        return self.rank * self.share(count)
+
+    def local_shape(self, model_cfg):
+        """The model as one rank sees it: its share of the attention and KV heads and of the MLP (the KV pools, the
+        host executor's kernels and the graphs are sized from this). The vocabulary stays whole: every rank holds
+        the full logits (layers/embedding.py)."""
+        if self.size == 1:
+            return model_cfg
+        return dataclasses.replace(model_cfg, num_heads=self.share(model_cfg.num_heads),
+                                   num_kv_heads=self.share(model_cfg.num_kv_heads),
+                                   intermediate_size=self.share(model_cfg.intermediate_size))
+
+
+class _Groups:
+    def __init__(self, backend: str, device: torch.device):
+        self.backend, self.device = backend, device
+        # Every rank makes the same groups in the same order (new_group is collective). The device lane keeps the
+        # world group, so start-up (which runs as the device lane) and the device lane's steps share one order.
+        self.lanes = {"device": dist.group.WORLD, "host": dist.new_group(backend=backend)}
+        # NCCL makes a communicator (and its device buffers) at a group's first collective: both now, before the
+        # device pool is sized from the memory left, not at the host lane's first step.
+        for group in self.lanes.values():
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+
+
+_groups: _Groups | None = None
+_thread = threading.local()  # .lane: the lane whose call this thread is running
+
+
+def init(rank: int, size: int, device: torch.device, store_path: str) -> None:
+    """Joins the engine's ranks: NCCL on GPUs, gloo on the CPU. The rendezvous is a file in a directory the engine
+    made for itself (no port to pick, nothing shared with another engine)."""
+    global _groups
+    if dist.is_initialized():
+        raise ValueError("torch.distributed is already initialized in this process (another tensor-parallel engine, "
+                         "or a process group of your own): close that LLM, or destroy the group, first")
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, store=dist.FileStore(store_path, size), rank=rank, world_size=size,
+                            timeout=COLLECTIVE_TIMEOUT, **kwargs)
+    _groups = _Groups(backend, device)
+
+
+def destroy() -> None:
+    """Leaves the groups (every rank does, at close). Safe when not joined."""
+    global _groups
+    _groups = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def abort() -> None:
+    """Makes the collectives a rank is stuck in fail, once another rank has died (workers.py's watcher). gloo
+    needs nothing: a dead peer's sockets close and its collectives fail by themselves. NCCL kernels would spin on:
+    its communicators are aborted."""
+    groups = _groups
+    if groups is None or groups.backend != "nccl":
+        return
+    abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)
+    for group in groups.lanes.values():
+        try:
+            if abort_group is not None:
+                abort_group(group)
+        except Exception:  # noqa: BLE001 - best effort on a failed engine; the caller raises the real error
+            pass
+
+
+@contextmanager
+def lane(name: str):
+    """The collectives this thread makes inside go over `name`'s group."""
+    assert name in LANES, name
+    previous = getattr(_thread, "lane", None)
+    _thread.lane = name
+    try:
+        yield
+    finally:
+        _thread.lane = previous
+
+
+def _group():
+    name = getattr(_thread, "lane", None)
+    assert _groups is not None and name is not None, "a tensor-parallel collective outside a lane's call"
+    return _groups.lanes[name]
+
+
+def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
+    """Sums `tensor` over the ranks, in place; every rank gets the same bits."""
+    dist.all_reduce(tensor, group=_group())
+    return tensor
+
+
+def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
+    """The ranks' tensors concatenated along `dim`, rank 0's first. The list form: all_gather_into_tensor is
+    deprecated in newer torch, and its replacement is not in older ones."""
+    tensor = tensor.contiguous()
+    parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(_group()))]
+    dist.all_gather(parts, tensor, group=_group())
+    return torch.cat(parts, dim=dim)
+
+
+def smallest(value: int, device: torch.device) -> int:
+    """The smallest of the ranks' values: pool sizes that each rank measures for itself, agreed so that rank 0's
+    block manager never hands out a block another rank lacks."""
+    tensor = torch.tensor([value], dtype=torch.int64, device=device)
+    dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_group())
+    return int(tensor.item())

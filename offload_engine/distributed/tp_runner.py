@@ -1,0 +1,147 @@
+"""Rank 0's runner under tensor parallelism: ModelRunner's interface to the engine, each call mirrored to the workers.
+
+The engine (scheduler, block manager, placement) lives on rank 0 alone and never knows there are other ranks. Each
+call it makes of its runner that changes a rank's state (a step, a promotion or demotion, a drain) goes to every
+worker on that lane's channel and then runs on rank 0's own ModelRunner, under that lane's process group; the
+ranks' collectives meet inside the model. Every rank computes the same full logits and samples the same ids with the
+same keys (layers/embedding.py), so what rank 0 returns is the step's result for all, and nothing comes back from the
+workers but failures. Everything else (pool sizes, the backend, timings, the host lane's properties) is read from
+rank 0's own runner.
+
+What tensor parallelism does not do yet:
+- CUDA graphs: every rank runs eagerly, as with enforce_eager (ModelRunner._capture_decode_graphs). Collectives
+  inside captured graphs, with the two lanes' NCCL communicators on one device, are not verified on a GPU.
+- One tensor-parallel engine per process at a time (torch.distributed's groups are per process), and none in a
+  process that has a process group of its own: ValueError before any work.
+- prefill_device with tensor parallelism (config.py refuses it).
+- After a failure on any rank (or an interrupt inside a step), the ranks may be out of step: every later call
+  raises, and the LLM must be closed and made anew.
+"""
+import torch.distributed as dist
+
+from offload_engine.distributed import parallel_state
+from offload_engine.distributed.parallel_state import Partition
+from offload_engine.distributed.wire import pack_moves, pack_seqs
+from offload_engine.distributed.worker import Call
+from offload_engine.distributed.workers import STOP_TIMEOUT, WorkerError, WorkerGroup
+from offload_engine.engine.model_runner import ModelRunner
+
+
+class TensorParallelRunner:
+    def __init__(self, model_dir: str, model_cfg, cfg, dtype, max_model_len: int):
+        if dist.is_available() and dist.is_initialized():
+            raise ValueError("tensor_parallel_size > 1 needs torch.distributed to itself, but this process already "
+                             "has a process group (another tensor-parallel LLM still open, or your own): "
+                             "close it first")
+        size = cfg.tensor_parallel_size
+        self.runner = self.workers = None
+        self.broken: BaseException | None = None  # set by the first failure: the ranks may be out of step
+        self.closed = False
+        self.finished = {lane: 0 for lane in parallel_state.LANES}  # calls rank 0 has finished, per lane
+        self.device_decode = _MirroredDecode(self)
+        try:
+            self.workers = WorkerGroup(size, dict(model_dir=model_dir, model_cfg=model_cfg, cfg=cfg, dtype=dtype,
+                                                  max_model_len=max_model_len))
+            self.workers.wait_joining()
+            parallel_state.init(0, size, cfg.torch_device, self.workers.spec.store_path)
+            with parallel_state.lane("device"):  # its start-up collectives pair with the workers' (worker.py)
+                self.runner = ModelRunner(model_dir, model_cfg, cfg, dtype, max_model_len, tp=Partition(0, size))
+        except BaseException as error:
+            self.broken = error
+            blamed = self.workers.blame(error) if self.workers is not None else error
+            self.close()
+            if blamed is error:
+                raise
+            raise blamed from error
+
+    def __getattr__(self, name: str):
+        """Read-only state (num_gpu_blocks, backend, host_kernel_seconds, promotes_beside_host_steps, ...) and
+        questions about it (host_writes_pending): rank 0's own, which the engine decides from."""
+        runner = self.__dict__.get("runner")
+        if runner is None:
+            raise AttributeError(name)
+        return getattr(runner, name)
+
+    # ---- the calls every rank makes ----------------------------------------------------------------------
+    def run(self, seqs, is_prefill: bool, lane: str = "device"):
+        return self._mirror(lane, Call("run", (pack_seqs(seqs), is_prefill, lane), self.finished[_other(lane)]),
+                            lambda: self.runner.run(seqs, is_prefill, lane))
+
+    def promote(self, moves):
+        return self._mirror("device", Call("promote", (pack_moves(moves),), self.finished["host"]),
+                            lambda: self.runner.promote(moves))
+
+    def demote(self, moves) -> None:
+        return self._mirror("device", Call("demote", (pack_moves(moves),), self.finished["host"]),
+                            lambda: self.runner.demote(moves))
+
+    def check_host_writes(self, wait: bool = False) -> None:
+        """With wait (the end of a generate call): also every worker's writes, and every worker is heard from."""
+        self._mirror("device", Call("check_host_writes", (wait,), self.finished["host"], reply=wait),
+                     lambda: self.runner.check_host_writes(wait))
+
+    def drain_host_work(self) -> None:
+        """LLMEngine.abort: every rank's host work is let finish. After a failure, rank 0's alone."""
+        if self.broken is not None:
+            return self.runner.drain_host_work()
+        self._mirror("device", Call("drain_host_work", (), self.finished["host"], reply=True),
+                     self.runner.drain_host_work)
+
+    def _mirror(self, lane: str, call: Call, local):
+        """Sends the call to the workers, makes it on rank 0's runner, and returns rank 0's result."""
+        if self.broken is not None:
+            first = (str(self.broken).splitlines() or [""])[0]
+            raise WorkerError(f"this tensor-parallel engine stopped after an error ({type(self.broken).__name__}: "
+                              f"{first}): close this LLM and make a new one")
+        try:
+            self.workers.check()
+            self.workers.send(lane, call)
+            with parallel_state.lane(lane):
+                result = local()
+            if call.reply:
+                self.workers.wait_replies(lane)
+            self.workers.check()  # a worker that failed in a call without a collective
+        except WorkerError as error:
+            self.broken = error
+            raise
+        except BaseException as error:
+            self.broken = error
+            blamed = self.workers.blame(error)
+            if blamed is error:
+                raise
+            raise blamed from error
+        self.finished[lane] += 1
+        return result
+
+    def close(self) -> None:
+        """Stops the workers, releases rank 0's runner, leaves the process groups. Idempotent; after a failure too.
+        The engine has stopped its host lane first (LLMEngine.close)."""
+        if self.closed:
+            return
+        self.closed = True
+        clean = self.broken is None
+        if self.workers is not None:
+            self.workers.stop(clean)
+        if self.runner is not None:
+            self.runner.close()
+        parallel_state.destroy()
+        if self.workers is not None:
+            # After a failure a worker may be stuck in a collective with a rank that has gone: not waited for long.
+            self.workers.join(patience=STOP_TIMEOUT if clean else 5.0)
+
+
+class _MirroredDecode:
+    """runner.device_decode as the engine uses it: forget() drops the device lane's step in flight on every rank."""
+
+    def __init__(self, tp_runner: TensorParallelRunner):
+        self.tp_runner = tp_runner
+
+    def forget(self) -> None:
+        tp = self.tp_runner
+        if tp.broken is not None:
+            return tp.runner.device_decode.forget()
+        tp._mirror("device", Call("forget", (), tp.finished["host"]), tp.runner.device_decode.forget)
+
+
+def _other(lane: str) -> str:
+    return "host" if lane == "device" else "device"

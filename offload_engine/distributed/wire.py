@@ -1,0 +1,66 @@
+"""Sequences as they cross to the workers: what a runner reads of them, as it was when rank 0 made the call.
+
+A worker's runner reads a sequence's block tables, counts, tier and sampling settings, and of its tokens only those
+it computes now: from num_computed_tokens on (a prefill chunk, or a decode step's newest token; the earlier
+tokens' KV is in the cache already). So only those tokens cross, and the worker's copy holds zeros in the places of
+the others, which nothing on a worker reads: a decode step of a 32k-token sequence sends one token, not 32k.
+A token the device lane's step in flight has sampled crosses as PENDING_TOKEN, as rank 0 holds it: each worker's
+step takes it from its own in-flight step on its device, where it is the same id (layers/embedding.py).
+
+The snapshots are pickled at the call, into the engine's own worker processes (IPC between our processes; the
+weights still load from safetensors only); rank 0's scheduler goes on changing its sequences afterwards.
+
+On a worker each sequence is one object for as long as anything holds it (SequenceMirror), updated in place from
+each snapshot, as rank 0's sequences are by its scheduler: the device lane's persistent input batch keeps its rows'
+sequence objects from step to step (engine/input_batch.py) and reads their new lengths and tokens from them.
+"""
+import threading
+import weakref
+
+from offload_engine.engine.sequence import Sequence
+
+
+def pack_seqs(seqs: list[Sequence]) -> list[tuple]:
+    return [_pack(seq) for seq in seqs]
+
+
+def pack_moves(moves: list[tuple[Sequence, list[int]]]) -> list[tuple]:
+    """A promotion's or demotion's (sequence, its blocks in the tier it leaves) pairs."""
+    return [(_pack(seq), list(blocks)) for seq, blocks in moves]
+
+
+def _pack(seq: Sequence) -> tuple:
+    start = min(seq.num_computed_tokens, len(seq))
+    state = {name: value for name, value in vars(seq).items() if name != "token_ids"}
+    return len(seq), start, seq.token_ids[start:], state
+
+
+class SequenceMirror:
+    """A worker's copies of rank 0's sequences, by seq_id. Both lanes' threads unpack; the engine never gives one
+    sequence to both lanes at once, so only the table itself needs the lock."""
+
+    def __init__(self):
+        self._live: weakref.WeakValueDictionary[int, Sequence] = weakref.WeakValueDictionary()
+        self._lock = threading.Lock()
+
+    def unpack_seqs(self, packed: list[tuple]) -> list[Sequence]:
+        return [self._unpack(item) for item in packed]
+
+    def unpack_moves(self, packed: list[tuple]) -> list[tuple[Sequence, list[int]]]:
+        return [(self._unpack(seq), blocks) for seq, blocks in packed]
+
+    def _unpack(self, item: tuple) -> Sequence:
+        length, start, tail, state = item
+        with self._lock:
+            seq = self._live.get(state["seq_id"])
+            if seq is None:
+                seq = Sequence.__new__(Sequence)
+                seq.token_ids = []
+                self._live[state["seq_id"]] = seq
+        tokens = seq.token_ids
+        seq.__dict__.update(state)
+        del tokens[start:]  # in place, and no longer than it must be: a decode step touches one or two tokens
+        tokens.extend([0] * (start - len(tokens)))
+        tokens.extend(tail)
+        assert len(tokens) == length
+        return seq

@@ -1,0 +1,193 @@
+"""A worker process: rank r (1..N-1) of a tensor-parallel engine, a ModelRunner that mirrors rank 0's calls.
+
+Rank 0's engine calls its runner from two threads, one per lane (engine/llm_engine.py), and a worker does the same:
+one thread serves each lane's channel, in the order rank 0 made that lane's calls, under that lane's process group
+(parallel_state.py). So a long host-lane step never holds up the device lane here either.
+
+Across the lanes, a worker keeps the order that mattered on rank 0. Each call carries `after`: how many calls of the
+other lane rank 0 had finished when it made this one, and the worker starts it only once it has finished as many
+itself. That is what the engine relies on between its threads: a host step starts after the demotion that filled
+its host blocks, and a promotion reads host blocks after the host step that wrote them came back. Calls rank 0 ran
+side by side may run here in either order, as they might have there. The order is one rank 0 really ran, so it
+cannot deadlock.
+
+Failure: an exception in a call is reported to rank 0 with its traceback, and the process exits at once. Exiting
+is what frees the other ranks: their collectives with this rank fail (gloo's sockets close; rank 0's watcher aborts
+NCCL's communicators) instead of waiting. A worker whose parent has died exits too.
+"""
+import dataclasses
+import os
+import pickle
+import sys
+import threading
+import time
+import traceback
+from multiprocessing import parent_process
+from multiprocessing.connection import Connection, wait
+
+import torch
+
+from offload_engine.distributed import parallel_state
+from offload_engine.distributed.parallel_state import Partition
+from offload_engine.distributed.wire import SequenceMirror
+
+STOP = None  # sent on a lane's channel: no more calls on this lane
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    method: str  # a method of _Mirror
+    args: tuple
+    after: int  # calls of the other lane rank 0 had finished when it made this one
+    reply: bool = False  # answer on the channel once done (rank 0 waits for it)
+
+
+@dataclasses.dataclass(frozen=True)
+class WorkerSpec:
+    """What every worker builds its runner from (rank 0's own arguments), and where the ranks meet."""
+
+    model_dir: str
+    model_cfg: object  # config.ModelConfig of the whole model
+    cfg: object  # config.EngineConfig, device = rank 0's
+    dtype: torch.dtype
+    max_model_len: int
+    store_path: str  # parallel_state.init's rendezvous file
+
+    def device(self, rank: int) -> torch.device:
+        """Rank r runs on cuda:<first + r> from device cuda:<first>, or on the CPU with every other rank."""
+        first = self.cfg.torch_device
+        return first if first.type == "cpu" else torch.device("cuda", (first.index or 0) + rank)
+
+
+class _Reporter:
+    """The worker's pipe to rank 0's watcher, written from each lane's thread and the main one."""
+
+    def __init__(self, conn: Connection, rank: int):
+        self.conn, self.rank, self.lock = conn, rank, threading.Lock()
+
+    def send(self, kind: str, text: str = "") -> None:
+        with self.lock:
+            try:
+                self.conn.send((kind, self.rank, text, time.time()))
+            except OSError:
+                pass  # rank 0 is gone: nobody to tell
+
+    def fail(self, where: str) -> None:
+        """Reports the exception being handled and ends the process (see the module's docstring)."""
+        self.send("error", f"in {where}:\n{traceback.format_exc()}")
+        os._exit(1)
+
+
+class _Mirror:
+    """What a worker does with each of rank 0's calls: its own runner's same call, on this rank's snapshot of the
+    sequences."""
+
+    def __init__(self, runner):
+        self.runner = runner
+        self.seqs = SequenceMirror()
+        self.finished = {lane: 0 for lane in parallel_state.LANES}
+        self.changed = threading.Condition()
+        self.promoting: list[tuple[object, set[int]]] = []  # CUDA: (event, seq_ids) of promotions still copying
+
+    def serve(self, lane: str, conn: Connection, reporter: _Reporter) -> None:
+        other = "host" if lane == "device" else "device"
+        doing = f"waiting for a {lane}-lane call"
+        try:
+            with parallel_state.lane(lane):
+                while (call := pickle.loads(conn.recv_bytes())) is not STOP:
+                    doing = f"a {lane}-lane call ({call.method})"
+                    with self.changed:
+                        self.changed.wait_for(lambda: self.finished[other] >= call.after)
+                    getattr(self, call.method)(*call.args)
+                    with self.changed:
+                        self.finished[lane] += 1
+                        self.changed.notify_all()
+                    if call.reply:
+                        conn.send_bytes(pickle.dumps(True))
+        except EOFError:
+            os._exit(1)  # rank 0 is gone
+        except BaseException:  # noqa: BLE001 - whatever it is, rank 0 must hear of it
+            reporter.fail(doing)
+
+    def run(self, seqs, is_prefill: bool, lane: str) -> None:
+        seqs = self.seqs.unpack_seqs(seqs)
+        if lane == "device" and not is_prefill:
+            self._after_own_promotions(seqs)
+        self.runner.run(seqs, is_prefill, lane)
+
+    def promote(self, moves) -> None:
+        moves = self.seqs.unpack_moves(moves)
+        landed = self.runner.promote(moves)
+        if landed is not None:
+            self.promoting.append((landed, {seq.seq_id for seq, _ in moves}))
+
+    def demote(self, moves) -> None:
+        self.runner.demote(self.seqs.unpack_moves(moves))
+
+    def check_host_writes(self, wait: bool) -> None:
+        self.runner.check_host_writes(wait)
+
+    def drain_host_work(self) -> None:
+        self.runner.drain_host_work()
+
+    def forget(self) -> None:
+        self.runner.device_decode.forget()
+
+    def _after_own_promotions(self, seqs) -> None:
+        """On CUDA a promotion's copy runs beside the device lane (ModelRunner.promote), and rank 0's engine keeps
+        the promoted rows out of steps until *its* copy has landed. This rank's copy may not have: the device lane's
+        stream waits for it, on the device, before the first step with one of those rows."""
+        rows = {seq.seq_id for seq in seqs}
+        pending = []
+        for landed, moved in self.promoting:
+            if moved & rows:
+                self.runner.streams["device"].wait_event(landed)
+            elif not landed.query():
+                pending.append((landed, moved))
+        self.promoting = pending
+
+
+def worker_main(rank: int, size: int, spec: WorkerSpec, lanes: dict[str, Connection], report: Connection) -> None:
+    """The process's whole life: join the ranks, build this rank's runner (its start-up collectives pair with
+    the other ranks'), serve both lanes until rank 0 stops them, then release everything."""
+    reporter = _Reporter(report, rank)
+    threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
+    try:
+        from offload_engine.engine.model_runner import ModelRunner
+
+        device = spec.device(rank)
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # this process's only GPU: NCCL and the allocator default to it
+        else:
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the host's cores
+        reporter.send("joining")
+        parallel_state.init(rank, size, device, spec.store_path)
+        with parallel_state.lane("device"):
+            runner = ModelRunner(spec.model_dir, spec.model_cfg, dataclasses.replace(spec.cfg, device=str(device)),
+                                 spec.dtype, spec.max_model_len, tp=Partition(rank, size))
+    except BaseException:  # noqa: BLE001
+        reporter.fail("start-up")
+    mirror = _Mirror(runner)
+    threads = [threading.Thread(target=mirror.serve, args=(lane, conn, reporter), name=f"tp{rank}-{lane}-lane")
+               for lane, conn in lanes.items()]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    try:
+        runner.close()
+        reporter.send("stopped")  # every collective of this rank is done: rank 0 may leave the groups
+        parallel_state.destroy()
+    except BaseException:  # noqa: BLE001
+        reporter.fail("shutdown")
+    # Everything the process holds is released: it ends here rather than tear down its interpreter (torch's takes
+    # most of a second, which rank 0's close would wait for).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _exit_with_parent() -> None:
+    """Ends the process once rank 0's process has gone, however it went (its finalizers may never have run)."""
+    wait([parent_process().sentinel])
+    os._exit(1)
