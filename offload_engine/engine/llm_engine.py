@@ -36,9 +36,9 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 from offload_engine.config import EngineConfig, ModelConfig
+from offload_engine.distributed import make_runner
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.model_runner import ModelRunner
 from offload_engine.engine.move_staging import split_moves
 from offload_engine.engine.placement import can_ever_fit
 from offload_engine.engine.prefill_lane import PrefillLane
@@ -66,8 +66,7 @@ class LLMEngine:
                  eos_token_ids: tuple[int, ...]):
         self.cfg = cfg
         self.max_model_len = max_model_len
-        from offload_engine.distributed import make_runner  # a ModelRunner, or rank 0's of tensor parallelism
-
+        # A ModelRunner, or under tensor parallelism rank 0's runner, which drives the other ranks.
         self.runner = make_runner(model_dir, model_cfg, cfg, dtype, max_model_len)
         self.closed = False
         self.blocks = BlockManager(self.runner.num_gpu_blocks, cfg.block_size, self.runner.num_cpu_blocks,

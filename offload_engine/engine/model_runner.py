@@ -18,7 +18,7 @@ from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.deferred_tokens import DeferredTokens
 from offload_engine.engine.device_decode import DeviceLaneDecode
 from offload_engine.engine.graph_dispatch import GraphDispatcher, GraphMode
-from offload_engine.engine.memory_profile import (allocate_device_pool, layer_views, run_dummy_prefill,
+from offload_engine.engine.memory_profile import (allocate_device_pool, layer_views, reserve_step_memory,
                                                   size_device_pool)
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.pinned_ring import PinnedRing
@@ -26,7 +26,7 @@ from offload_engine.engine.prefill_segment import run_segment, segment_capacity,
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
 from offload_engine.layers.attention_backends import select_backend
-from offload_engine.layers.sampler import SamplingBatch, largest_sampling_step, sample
+from offload_engine.layers.sampler import SamplingBatch, sample
 from offload_engine.loader import build_model
 
 
@@ -101,7 +101,7 @@ class ModelRunner:
             torch.cuda.synchronize(self.device)  # what start-up queued on the default stream is done
             self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
             self.moves_stream = engine_stream(self.device, "moves")
-            self._reserve_step_memory()
+            reserve_step_memory(self)
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
         # Tokens of a layer-major prefill segment (engine/prefill_segment.py): only staged rows take segments.
@@ -109,25 +109,6 @@ class ModelRunner:
             self.segment_tokens = self._agreed(self.cfg.prefill_segment_tokens or segment_capacity(
                 self.model_cfg, self.dtype, self.device, self.cfg.max_num_batched_tokens, self.max_model_len))
         self.startup_seconds["total"] = time.perf_counter() - began
-
-    def _reserve_step_memory(self) -> None:
-        """Runs the largest prefill the scheduler can form, and samples one full batch through top-k and top-p
-        on each lane's stream, so that the caching allocator holds the steps' largest blocks from the start.
-        Otherwise each new largest step of a run reserves more device memory mid-run, on its lane's stream,
-        whose cached blocks the other stream cannot reuse (0.5 GiB over 10,000 requests, H100, 2026-11-22).
-        The pool was sized for this (engine/memory_profile.py). Before any request: the prefill's KV lands in
-        blocks nobody holds yet."""
-
-        tokens = min(self.cfg.max_num_batched_tokens, self.num_gpu_blocks * self.cfg.block_size)
-        seq_len = min(self.max_model_len, tokens)
-        with torch.cuda.stream(self.streams["device"]):
-            run_dummy_prefill(self, max(1, min(self.cfg.max_num_seqs, tokens // seq_len)), seq_len)
-        for lane, stream in self.streams.items():
-            if lane == "host" and self.host_pool is None:
-                continue  # no host lane will ever sample
-            with torch.cuda.stream(stream), torch.inference_mode():
-                sample(*largest_sampling_step(self.cfg.max_num_seqs, self.model_cfg.vocab_size, self.device))
-            stream.synchronize()
 
     def _agreed(self, value: int) -> int:
         """A size this rank measured, agreed across the ranks (the smallest); with one rank, the size."""
