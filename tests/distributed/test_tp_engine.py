@@ -3,10 +3,15 @@ with the paths each placement has: preemption, chunked prefill and prefix-cache 
 layer-major prefill segments included ("cpu"); demotion, promotion and a sequence split across both tiers ("auto").
 Sampled tokens are those of one rank, token for token. Each engine runs several checks: starting one costs seconds."""
 import pytest
+import torch
 
 from offload_engine import LLM, SamplingParams
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
+
+# Two ranks on CUDA need two GPUs (make test-gpu on a one-GPU host skips these; CI runs them on gloo).
+pytestmark = pytest.mark.skipif(TEST_DEVICE == "cuda" and torch.cuda.device_count() < 2,
+                                reason="tensor_parallel_size=2 on CUDA needs two GPUs")
 
 LENGTHS = (1, 16, 33, 15, 17, 47)
 NEW_TOKENS = 10

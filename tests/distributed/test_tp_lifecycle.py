@@ -18,6 +18,10 @@ from offload_engine.distributed.workers import WorkerError
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
+# Two ranks on CUDA need two GPUs (make test-gpu on a one-GPU host skips these; CI runs them on gloo).
+pytestmark = pytest.mark.skipif(TEST_DEVICE == "cuda" and torch.cuda.device_count() < 2,
+                                reason="tensor_parallel_size=2 on CUDA needs two GPUs")
+
 POOLS = dict(kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16, cpu_block_size=16)
 
 
