@@ -22,7 +22,7 @@ import torch.distributed as dist
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
 from offload_engine.distributed.wire import pack_moves, pack_seqs
-from offload_engine.distributed.worker import Call
+from offload_engine.distributed.wire import Call
 from offload_engine.distributed.workers import STOP_TIMEOUT, WorkerError, WorkerGroup
 from offload_engine.engine.model_runner import ModelRunner
 
@@ -40,7 +40,7 @@ class TensorParallelRunner:
         self.finished = {lane: 0 for lane in parallel_state.LANES}  # calls rank 0 has finished, per lane
         self.device_decode = _MirroredDecode(self)
         try:
-            self.workers = WorkerGroup(size, dict(model_dir=model_dir, model_cfg=model_cfg, cfg=cfg, dtype=dtype,
+            self.workers = WorkerGroup(size, dict(model_dir=model_dir, cfg=cfg, dtype=dtype,
                                                   max_model_len=max_model_len))
             self.workers.wait_joining()
             parallel_state.init(0, size, cfg.torch_device, self.workers.spec.store_path)

@@ -7,17 +7,62 @@ the others, which nothing on a worker reads: a decode step of a 32k-token sequen
 A token the device lane's step in flight has sampled crosses as PENDING_TOKEN, as rank 0 holds it: each worker's
 step takes it from its own in-flight step on its device, where it is the same id (layers/embedding.py).
 
-The snapshots are pickled at the call, into the engine's own worker processes (IPC between our processes; the
-weights still load from safetensors only); rank 0's scheduler goes on changing its sequences afterwards.
+Everything crosses as JSON (encode_call / decode_call), never pickled: a worker builds objects only of the types
+named here (Sequence, its two enums, SamplingParams), whatever the bytes on its channel say. The snapshot is taken at
+the call; rank 0's scheduler goes on changing its sequences afterwards.
 
 On a worker each sequence is one object for as long as anything holds it (SequenceMirror), updated in place from
 each snapshot, as rank 0's sequences are by its scheduler: the device lane's persistent input batch keeps its rows'
 sequence objects from step to step (engine/input_batch.py) and reads their new lengths and tokens from them.
 """
+import dataclasses
+import json
 import threading
 import weakref
+from enum import Enum
 
-from offload_engine.engine.sequence import Sequence
+from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
+from offload_engine.sampling_params import SamplingParams
+
+_ENUMS = {cls.__name__: cls for cls in (BlockLocation, SequenceStatus)}
+
+
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """One of rank 0's runner calls, as a worker makes it (worker._Mirror has a method of each name)."""
+
+    method: str
+    args: tuple
+    after: int  # calls of the other lane rank 0 had finished when it made this one
+    reply: bool = False  # answer on the channel once done (rank 0 waits for it)
+
+
+def encode_call(call: Call | None) -> bytes:
+    """A call (None: STOP) as JSON bytes; a value of any type not named in this module is a TypeError here."""
+    fields = None if call is None else {"method": call.method, "args": call.args, "after": call.after,
+                                        "reply": call.reply}  # not asdict: it would turn SamplingParams into a dict
+    return json.dumps(fields, default=_encode).encode()
+
+
+def decode_call(data: bytes) -> Call | None:
+    fields = json.loads(data, object_hook=_decode)
+    return None if fields is None else Call(fields["method"], tuple(fields["args"]), fields["after"], fields["reply"])
+
+
+def _encode(value):
+    if isinstance(value, Enum) and type(value).__name__ in _ENUMS:
+        return {"enum": type(value).__name__, "name": value.name}
+    if isinstance(value, SamplingParams):
+        return {"sampling_params": {f.name: getattr(value, f.name) for f in dataclasses.fields(value)}}
+    raise TypeError(f"{type(value).__name__} does not cross to tensor-parallel workers")
+
+
+def _decode(fields: dict):
+    if "enum" in fields:
+        return _ENUMS[fields["enum"]][fields["name"]]
+    if "sampling_params" in fields:
+        return SamplingParams(**fields["sampling_params"])
+    return fields
 
 
 def pack_seqs(seqs: list[Sequence]) -> list[tuple]:

@@ -16,8 +16,8 @@ is what frees the other ranks: their collectives with this rank fail (gloo's soc
 NCCL's communicators) instead of waiting. A worker whose parent has died exits too.
 """
 import dataclasses
+import json
 import os
-import pickle
 import sys
 import threading
 import time
@@ -27,28 +27,21 @@ from multiprocessing.connection import Connection, wait
 
 import torch
 
+from offload_engine.config import DTYPES, EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
-from offload_engine.distributed.wire import SequenceMirror
+from offload_engine.distributed.wire import SequenceMirror, decode_call
 
 STOP = None  # sent on a lane's channel: no more calls on this lane
 
 
 @dataclasses.dataclass(frozen=True)
-class Call:
-    method: str  # a method of _Mirror
-    args: tuple
-    after: int  # calls of the other lane rank 0 had finished when it made this one
-    reply: bool = False  # answer on the channel once done (rank 0 waits for it)
-
-
-@dataclasses.dataclass(frozen=True)
 class WorkerSpec:
-    """What every worker builds its runner from (rank 0's own arguments), and where the ranks meet."""
+    """What every worker builds its runner from (rank 0's own arguments), and where the ranks meet. It crosses as
+    JSON (to_json / from_json); the worker reads the model's config from model_dir itself."""
 
     model_dir: str
-    model_cfg: object  # config.ModelConfig of the whole model
-    cfg: object  # config.EngineConfig, device = rank 0's
+    cfg: EngineConfig  # device = rank 0's
     dtype: torch.dtype
     max_model_len: int
     store_path: str  # parallel_state.init's rendezvous file
@@ -57,6 +50,17 @@ class WorkerSpec:
         """Rank r runs on cuda:<first + r> from device cuda:<first>, or on the CPU with every other rank."""
         first = self.cfg.torch_device
         return first if first.type == "cpu" else torch.device("cuda", (first.index or 0) + rank)
+
+    def to_json(self) -> str:
+        return json.dumps({"model_dir": self.model_dir, "cfg": dataclasses.asdict(self.cfg),
+                           "dtype": str(self.dtype).removeprefix("torch."), "max_model_len": self.max_model_len,
+                           "store_path": self.store_path})
+
+    @classmethod
+    def from_json(cls, text: str) -> "WorkerSpec":
+        fields = json.loads(text)
+        return cls(fields["model_dir"], EngineConfig(**fields["cfg"]), DTYPES[fields["dtype"]],
+                   fields["max_model_len"], fields["store_path"])
 
 
 class _Reporter:
@@ -68,7 +72,7 @@ class _Reporter:
     def send(self, kind: str, text: str = "") -> None:
         with self.lock:
             try:
-                self.conn.send((kind, self.rank, text, time.time()))
+                self.conn.send_bytes(json.dumps([kind, self.rank, text, time.time()]).encode())
             except OSError:
                 pass  # rank 0 is gone: nobody to tell
 
@@ -94,7 +98,7 @@ class _Mirror:
         doing = f"waiting for a {lane}-lane call"
         try:
             with parallel_state.lane(lane):
-                while (call := pickle.loads(conn.recv_bytes())) is not STOP:
+                while (call := decode_call(conn.recv_bytes())) is not STOP:
                     doing = f"a {lane}-lane call ({call.method})"
                     with self.changed:
                         self.changed.wait_for(lambda: self.finished[other] >= call.after)
@@ -103,7 +107,7 @@ class _Mirror:
                         self.finished[lane] += 1
                         self.changed.notify_all()
                     if call.reply:
-                        conn.send_bytes(pickle.dumps(True))
+                        conn.send_bytes(b"done")
         except EOFError:
             os._exit(1)  # rank 0 is gone
         except BaseException:  # noqa: BLE001 - whatever it is, rank 0 must hear of it
@@ -147,10 +151,11 @@ class _Mirror:
         self.promoting = pending
 
 
-def worker_main(rank: int, size: int, spec: WorkerSpec, lanes: dict[str, Connection], report: Connection) -> None:
+def worker_main(rank: int, size: int, spec_json: str, lanes: dict[str, Connection], report: Connection) -> None:
     """The process's whole life: join the ranks, build this rank's runner (its start-up collectives pair with
     the other ranks'), serve both lanes until rank 0 stops them, then release everything."""
     reporter = _Reporter(report, rank)
+    spec = WorkerSpec.from_json(spec_json)
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
     try:
         from offload_engine.engine.model_runner import ModelRunner
@@ -163,7 +168,8 @@ def worker_main(rank: int, size: int, spec: WorkerSpec, lanes: dict[str, Connect
         reporter.send("joining")
         parallel_state.init(rank, size, device, spec.store_path)
         with parallel_state.lane("device"):
-            runner = ModelRunner(spec.model_dir, spec.model_cfg, dataclasses.replace(spec.cfg, device=str(device)),
+            model_cfg = ModelConfig.from_model_dir(spec.model_dir)
+            runner = ModelRunner(spec.model_dir, model_cfg, dataclasses.replace(spec.cfg, device=str(device)),
                                  spec.dtype, spec.max_model_len, tp=Partition(rank, size))
     except BaseException:  # noqa: BLE001
         reporter.fail("start-up")

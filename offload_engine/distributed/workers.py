@@ -11,13 +11,13 @@ with the interpreter at the latest), meeting at a file in a directory of the eng
 A script that makes a tensor-parallel LLM must guard its top level with `if __name__ == "__main__":`, as
 multiprocessing's spawn requires.
 
-Stop: both lanes' channels get STOP; each worker closes its runner, says "stopped" and leaves the groups; rank 0
+Stop: both lanes' channels get STOP (None); each worker closes its runner, says "stopped" and leaves the groups; rank 0
 leaves them once every worker has said so (so no worker's last collective loses its peer), and joins the processes.
 A worker that does not stop in time (stuck after a failure) is terminated, then killed.
 """
 import multiprocessing
 import os
-import pickle
+import json
 import shutil
 import signal
 import tempfile
@@ -27,7 +27,8 @@ import weakref
 from multiprocessing.connection import wait
 
 from offload_engine.distributed import parallel_state
-from offload_engine.distributed.worker import STOP, Call, WorkerSpec, worker_main
+from offload_engine.distributed.wire import Call, encode_call
+from offload_engine.distributed.worker import WorkerSpec, worker_main
 
 START_TIMEOUT = 600.0  # seconds for a worker to import torch and reach the rendezvous (a busy host is slow)
 REPLY_TIMEOUT = 600.0  # for an answer: a drain may wait for host kernels of long sequences
@@ -91,7 +92,7 @@ class WorkerGroup:
             ends = {lane: context.Pipe() for lane in parallel_state.LANES}
             report_read, report_write = context.Pipe(duplex=False)
             process = context.Process(target=worker_main, name=f"offload-engine-tp{rank}", daemon=True,
-                                      args=(rank, size, self.spec, {lane: pair[1] for lane, pair in ends.items()},
+                                      args=(rank, size, self.spec.to_json(), {lane: pair[1] for lane, pair in ends.items()},
                                             report_write))
             process.start()
             for lane, (ours, theirs) in ends.items():
@@ -127,7 +128,7 @@ class WorkerGroup:
         return self.health.error() or error
 
     def send(self, lane: str, call: Call | None) -> None:
-        data = pickle.dumps(call, protocol=pickle.HIGHEST_PROTOCOL)  # one snapshot for every worker
+        data = encode_call(call)  # one snapshot for every worker
         for conn in self.lanes[lane]:
             conn.send_bytes(data)
 
@@ -147,7 +148,7 @@ class WorkerGroup:
             self.health.stopping = True
         for lane in parallel_state.LANES:
             try:
-                self.send(lane, STOP)
+                self.send(lane, None)  # STOP
             except OSError:
                 clean = False  # a worker is gone already
         if clean:
@@ -173,7 +174,7 @@ def _watch(health: _Health, reports: dict, processes: dict, wake) -> None:
                 return
             if ready in readers:
                 try:
-                    health.note(*ready.recv())
+                    health.note(*json.loads(ready.recv_bytes()))
                 except (EOFError, OSError):
                     del readers[ready]  # its process has gone: its sentinel says how
             elif ready in sentinels:
@@ -182,7 +183,7 @@ def _watch(health: _Health, reports: dict, processes: dict, wake) -> None:
                 conn = next((c for c, r in readers.items() if r == rank), None)
                 while conn is not None and conn.poll():
                     try:
-                        health.note(*conn.recv())
+                        health.note(*json.loads(conn.recv_bytes()))
                     except (EOFError, OSError):
                         break
                 if rank not in health.stopped:

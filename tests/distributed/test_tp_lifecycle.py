@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from offload_engine import LLM, SamplingParams
 from offload_engine.distributed import parallel_state
-from offload_engine.distributed.worker import Call
+from offload_engine.distributed.wire import Call
 from offload_engine.distributed.workers import WorkerError
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
