@@ -7,10 +7,12 @@ the device, and the replay reproduces a device run's step and move counts. On th
 64 x (1024 + 1024) at 3,296 device blocks, it matched "gpu" exactly (2,074 device steps of 31.6 rows, 28
 recomputes) and "auto"'s steps and moves within 1%.
 
-Not modelled: the host lane's GPU work beyond a constant slowdown of device steps, and async scheduling's
-overlap beyond this: a device step's time is its GPU time, and the engine's own work hides behind it. A move
-costs the device lane a constant per token of its context (the engine thread's share and the slower device steps
-right after it, measured with profile_timeline.py). Timings are a guide to which changes are worth a device run;
+Not modelled: the host lane's GPU work beyond a constant slowdown of device steps, host-tier prefill writes, and
+async scheduling's overlap beyond this: the GPU runs device steps back to back and the engine's own work hides
+behind them; the engine waits, on the clock, only where it reads a step's tokens. (Until 2026-11-23 a step moved
+the clock when it was queued, so a step read with no newer one behind it measured 0 s and the engine's device
+tok/s jumped to ~10^5.) A move costs the device lane a constant per token of its context (the engine thread's
+share and the slower device steps right after it, measured with profile_timeline.py). Timings are a guide to which changes are worth a device run;
 device runs decide. (It predicted 1.07 for the demotion order of d2e1354 at the
 point above; the device measured 0.84, because demotions' staged copies then held the engine's thread 47 ms
 each, and 1.01 once they no longer did.)
@@ -55,6 +57,7 @@ class CostModel:
     promote_s_per_tok: float  # device-lane seconds a promotion costs per token of context
     demote_s_per_tok: float  # the same for a demotion
     kv_bytes: int  # KV bytes per token
+    link_bytes_per_s: float = 50e9  # the pinned copy ModelRunner times at start-up (LaneStats' move-cost seed)
 
 
 # Read off the H100 runs of 2026-11-23 (after the runner work: whole-step graphs, async scheduling).
@@ -152,14 +155,16 @@ class FakeHostLane:
 
 
 class FakeDeferred:
-    """A device-lane step's tokens as the engine reads them a step late (engine/deferred_tokens.py)."""
+    """A device-lane step's tokens as the engine reads them a step late (engine/deferred_tokens.py): reading them
+    waits, on the clock, until the GPU is done with the step."""
 
-    def __init__(self, seqs: list[Sequence], launched: float):
-        self.seqs, self.launched = seqs, launched
+    def __init__(self, clock: SimClock, seqs: list[Sequence], launched: float, done_at: float):
+        self.clock, self.seqs, self.launched, self.done_at = clock, seqs, launched, done_at
         self.positions = [len(seq) for seq in seqs]
-        self.host_busy, self.quiet = False, True
+        self.host_busy, self.quiet, self.moved = False, True, (0, 0.0)
 
     def result(self) -> list[int]:
+        self.clock.now = max(self.clock.now, self.done_at)
         return [1] * len(self.seqs)
 
     def wait(self) -> None:
@@ -167,33 +172,45 @@ class FakeDeferred:
 
 
 class FakeRunner:
-    """The model runner: each device-lane step advances the clock by its modelled time; every token is 1."""
+    """The model runner. The GPU runs one step after another: a device-lane step is queued (async scheduling) and
+    ends its modelled time after the GPU is free, and the clock gets there when the engine reads it; a prefill
+    step and a move's cost are waited for at once. Every token is 1."""
 
     promotes_beside_host_steps = True  # CUDA's mapped host pool: promotions run beside a host step in flight
 
     def __init__(self, engine: llm_engine.LLMEngine, clock: SimClock, cost: CostModel):
         self.engine, self.clock, self.cost = engine, clock, cost
+        self.gpu_free_at = 0.0
         self.decode_steps: list[tuple[int, bool]] = []  # (rows, host step in flight) of each device decode step
+
+    def _gpu(self, seconds: float) -> float:
+        """Queues `seconds` of GPU work; returns when it ends."""
+        self.gpu_free_at = max(self.gpu_free_at, self.clock.now) + seconds
+        return self.gpu_free_at
 
     def run(self, batch: list[Sequence], is_prefill: bool, lane: str = "device"):
         if is_prefill:
-            self.clock.now += sum(seq.num_scheduled_tokens for seq in batch) / self.cost.prefill_tok_s
+            self.clock.now = self._gpu(sum(seq.num_scheduled_tokens for seq in batch) / self.cost.prefill_tok_s)
             return [1] * len(batch)
         host_busy = self.engine.in_flight is not None
-        launched = self.clock.now
-        self.clock.now += self._decode_seconds(batch) * (self.cost.busy if host_busy else 1.0)
+        done_at = self._gpu(self._decode_seconds(batch) * (self.cost.busy if host_busy else 1.0))
         self.decode_steps.append((len(batch), host_busy))
-        return FakeDeferred(batch, launched)
+        return FakeDeferred(self.clock, batch, self.clock.now, done_at)
 
     def _decode_seconds(self, batch: list[Sequence]) -> float:
         kv_bytes = sum(map(len, batch)) * self.cost.kv_bytes
         return self.cost.dev_fixed + self.cost.dev_row * len(batch) + kv_bytes / self.cost.kv_bw
 
     def promote(self, moves) -> None:
-        self.clock.now += sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.promote_s_per_tok
+        self._move(sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.promote_s_per_tok)
 
     def demote(self, moves) -> None:
-        self.clock.now += sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.demote_s_per_tok
+        self._move(sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.demote_s_per_tok)
+
+    def _move(self, seconds: float) -> None:
+        """A move costs the engine thread and the device lane the same time (the cost model's measure)."""
+        self._gpu(seconds)
+        self.clock.now += seconds
 
     def check_host_writes(self, wait: bool = False) -> None:
         pass
@@ -209,7 +226,7 @@ def build_engine(policy: str, point: Point, clock: SimClock) -> llm_engine.LLMEn
     engine = object.__new__(llm_engine.LLMEngine)
     engine.blocks = BlockManager(point.num_gpu_blocks, DEVICE_BLOCK_SIZE, HOST_POOL_BLOCKS[point.model],
                                  HOST_BLOCK_SIZE, enable_prefix_caching=True)
-    engine.stats = LaneStats(cost.kv_bytes)
+    engine.stats = LaneStats(cost.kv_bytes, 1 / cost.link_bytes_per_s)
     engine.scheduler = Scheduler(engine.blocks, policy, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS,
                                  point.prompt_len + point.output_len, eos_token_ids=(), kv_promotion=True,
                                  stats=engine.stats)

@@ -33,6 +33,7 @@ class DeferredTokens:
         self.launched = time.perf_counter()
         self.host_busy = False  # a host-lane step was in flight when it was queued (LaneStats)
         self.quiet = True  # no KV copy was queued with it, so its time is the step's own (LaneStats)
+        self.moved = (0, 0.0)  # tokens moved between the tiers with it, and the engine thread's seconds for them
         self.landed = None
         # `sampled` is where every step of the lane leaves its ids (input_batch.py): copied before the next step.
         self.host = host.copy_(sampled, non_blocking=sampled.is_cuda)

@@ -11,6 +11,11 @@
   slower anyway, and comparing all steps at once took that for the host lane's doing. Steps that also copied
   KV between the tiers are not timed (the engine leaves them out).
 - The device lane's tokens per second, from its recent steps.
+- What a move between the tiers (a promotion or a demotion) costs the device lane per token of KV moved: the
+  engine thread's time starting its copies, plus how much longer the device step launched with it took than
+  steps of its row count without (the step right after a promotion took 4.9 ms instead of 1.75 on the H100
+  host, 2026-11-23, benchmarks/NOTES.md). Until a move was measured it is seeded with the host link's transfer
+  time per token, which the runner measures at start-up (a pinned copy), or 0 where it has none.
 
 Averages are exponentially weighted (an old step's weight halves every HALF_LIFE steps), so they follow the
 host as it warms up. `snapshot()` is what benchmarks record next to their throughput.
@@ -34,13 +39,16 @@ class _Average:
 
 
 class LaneStats:
-    def __init__(self, kv_bytes_per_token: int | None = None):
+    def __init__(self, kv_bytes_per_token: int | None = None, link_seconds_per_byte: float | None = None):
         self.kv_bytes_per_token = kv_bytes_per_token  # of the model: host step cost is per byte of KV read
+        self.link_seconds_per_byte = link_seconds_per_byte  # the move cost's seed (None: not measured)
         self.host_fixed = _Average()  # seconds of a host step outside its CPU kernels
         self._kernel_seconds = _Average()  # of a host step's CPU kernels...
         self._kernel_bytes = _Average()  # ...and the KV bytes they read: per_byte is the ratio
         self._device_steps: dict[tuple[int, bool], _Average] = {}  # (rows, host step in flight) -> seconds
         self.device_tok_s = _Average()
+        self._move_seconds = _Average()  # device-lane seconds of a move...
+        self._move_tokens = _Average()  # ...and the tokens it moved: the cost per token is the ratio
         self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
 
     # ---- recording -----------------------------------------------------------------------------------------
@@ -56,6 +64,12 @@ class LaneStats:
         self._device_steps.setdefault((rows, host_busy), _Average()).add(seconds)
         self.device_tok_s.add(rows / max(seconds, 1e-6))
 
+    def move_done(self, tokens: int, seconds: float) -> None:
+        """A move of `tokens` tokens' KV cost the device lane `seconds` (engine thread and slower steps)."""
+        if tokens > 0:
+            self._move_seconds.add(max(0.0, seconds))
+            self._move_tokens.add(tokens)
+
     def record_check(self, kind: str, pays: bool) -> None:
         self.checks[(kind, pays)] += 1
 
@@ -65,6 +79,20 @@ class LaneStats:
         if not self._kernel_bytes.value:
             return None
         return self._kernel_seconds.value / self._kernel_bytes.value
+
+    def idle_device_step_seconds(self, rows: int) -> float | None:
+        """A device step's time at this row count with the host lane idle, as measured (None: not seen)."""
+        average = self._device_steps.get((rows, False))
+        return None if average is None else average.value
+
+    @property
+    def move_seconds_per_token(self) -> float:
+        """Device-lane seconds a move costs per token of KV: measured, else the link's seed, else 0."""
+        if self._move_tokens.value:
+            return self._move_seconds.value / self._move_tokens.value
+        if self.link_seconds_per_byte is not None and self.kv_bytes_per_token:
+            return self.link_seconds_per_byte * self.kv_bytes_per_token
+        return 0.0
 
     def host_step_seconds(self, kv_bytes: int) -> float | None:
         """Predicted host step time for rows holding kv_bytes of KV, or None before a host step was measured."""
@@ -90,5 +118,6 @@ class LaneStats:
         """The check's inputs as they stand, and its outcomes so far (for benchmark JSON)."""
         return {"host_fixed_s": self.host_fixed.value, "host_kernel_s_per_gb": (self.host_per_byte or 0) * 1e9,
                 "host_steps": self.host_fixed.count, "device_slowdown": self.slowdown,
-                "device_tok_s": self.device_tok_s.value,
+                "device_tok_s": self.device_tok_s.value, "move_us_per_token": self.move_seconds_per_token * 1e6,
+                "moves_measured": self._move_tokens.count,
                 "checks": {f"{kind}_{'pays' if pays else 'refused'}": n for (kind, pays), n in self.checks.items()}}

@@ -71,7 +71,7 @@ class LLMEngine:
         self.closed = False
         self.blocks = BlockManager(self.runner.num_gpu_blocks, cfg.block_size, self.runner.num_cpu_blocks,
                                    cfg.cpu_block_size, cfg.enable_prefix_caching)
-        self.stats = LaneStats(model_cfg.kv_bytes_per_token(dtype))
+        self.stats = LaneStats(model_cfg.kv_bytes_per_token(dtype), self.runner.link_seconds_per_byte)
         self.scheduler = Scheduler(self.blocks, cfg.kv_placement, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                    max_model_len, eos_token_ids, cfg.kv_promotion, self.stats,
                                    segment_tokens=self.runner.segment_tokens)
@@ -127,8 +127,11 @@ class LLMEngine:
         promotes_now = self.in_flight is None or (self.runner.promotes_beside_host_steps
                                                   and not self.runner.host_writes_pending())
         moves = self.scheduler.schedule_promotions() if promotes_now else []
+        move_seconds = 0.0  # of the engine thread, starting this step's moves (LaneStats.move_done)
         if moves:
+            began = time.perf_counter()
             self._promote(moves)
+            move_seconds = time.perf_counter() - began
         batch = self._schedule_prefill()
         if batch:
             finished += self._resolve_device_step()
@@ -145,12 +148,17 @@ class LLMEngine:
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
         demoted = self.scheduler.take_demotions()
         if demoted:
+            began = time.perf_counter()
             self.runner.demote(demoted)  # queued before the step that reuses their device blocks
+            move_seconds += time.perf_counter() - began
+        moved = (sum(move.num_computed_tokens for move, _ in moves + demoted), move_seconds)
+        if moved[0] and not batch:
+            self.stats.move_done(*moved)  # no device step to slow down
         if batch:
             launched = self.runner.run(batch, is_prefill=False)
             self.scheduler.launched(launched.seqs)
             copying = moves or demoted or self.promoting or (self.prefill is not None and self.prefill.landing)
-            launched.host_busy, launched.quiet = self.in_flight is not None, not copying
+            launched.host_busy, launched.quiet, launched.moved = self.in_flight is not None, not copying, moved
             finished += self._resolve_device_step()  # the step before: the GPU has this one queued behind it
             self.pending = launched
             if not self.cfg.async_scheduling:
@@ -196,6 +204,10 @@ class LLMEngine:
         self._resolved_at = now
         if step.quiet:  # KV copies would count as the step's time
             self.stats.device_step_done(len(step.seqs), self.device_step_seconds, step.host_busy)
+        elif step.moved[0]:  # a move's cost: the engine thread's time, and how much longer this step took
+            idle = self.stats.idle_device_step_seconds(len(step.seqs))
+            slower = self.device_step_seconds - idle if idle is not None else 0.0
+            self.stats.move_done(step.moved[0], step.moved[1] + max(0.0, slower))
         return finished
 
     def _promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:

@@ -53,6 +53,7 @@ class ModelRunner:
         self.moves_stream = None  # CUDA: where promotions' direct reads run, beside the device lane's steps
         self._demotion_writes = None  # CUDA event: the latest demotion's direct writes into host blocks are done
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
+        self.link_seconds_per_byte = None  # CUDA with a host tier: the pinned copy's, for LaneStats' move cost
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
         self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
         self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
@@ -102,6 +103,8 @@ class ModelRunner:
             self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
             self.moves_stream = engine_stream(self.device, "moves")
             reserve_step_memory(self)
+            if self.host_pool is not None:  # each rank's link moves its share of a token's KV
+                self.link_seconds_per_byte = self.move_staging.link_seconds_per_byte() / self.tp.size
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
         # Tokens of a layer-major prefill segment (engine/prefill_segment.py): only staged rows take segments.

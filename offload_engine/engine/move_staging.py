@@ -38,6 +38,20 @@ class MoveStaging:
         views = (buffer[:nbytes].view(dtype).view(shape) for buffer in (self._host[slot], self._device[slot]))
         return (slot, *views)
 
+    def link_seconds_per_byte(self) -> float | None:
+        """Seconds per byte of a pinned host-to-device copy of one slot, timed once (after one untimed copy): the
+        seed of LaneStats' move cost before a move was measured. None off CUDA, where nothing crosses a link."""
+        if self.device.type != "cuda":
+            return None
+        slot, host, device = self.take((GROUP_BYTES,), torch.uint8)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        device.copy_(host, non_blocking=True)
+        start.record()
+        device.copy_(host, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3 / GROUP_BYTES
+
     def busy_until(self, slot: int, done) -> None:
         """The slot is in use until `done` (a torch.cuda.Event or a concurrent.futures.Future) completes."""
         self._busy_until[slot] = done

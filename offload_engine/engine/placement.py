@@ -4,7 +4,8 @@
   step finds no block for a sequence's next token, the newest device sequence is preempted and recomputed.
 - "cpu": the host pool only.
 - "auto": never slower than "gpu" at the same device budget (DESIGN.md, "Placement"):
-  - The device tier is packed exactly as "gpu" packs it: admitted when the prompt fits what is free now.
+  - The device tier is packed exactly as "gpu" packs it: admitted when the prompt fits what is free now, in
+    the order "gpu" would admit: host rows that will move up (its preempted and still waiting requests) first.
   - Overflow goes to the host tier, not to recompute. A sequence the device cannot take now starts on the
     host tier; when a device-lane step has no block for a sequence's next token, device sequences are
     demoted (their KV copied to host blocks) and go on decoding in the host lane. Recompute only when
@@ -14,7 +15,8 @@
   - Promotion: when device room frees, host sequences move back up before new requests are admitted (as
     "gpu" re-admits its preempted sequences first).
   - The cost check: a waiting sequence joins the host lane only when that is predicted to add throughput
-    (`host_lane_pays`), otherwise it waits as under "gpu". Demotion has no check: its alternative is a
+    (`host_lane_pays`) over the time it would stay there, its promotion back counted (engine/host_stay.py);
+    otherwise it waits as under "gpu". Demotion has no check: its alternative is a
     recompute, not a wait (`demotes`), and a demoted sequence keeps its KV whether or not the lane runs.
   - The host lane itself steps only while it pays with all its rows (`host_step_pays`): where the device
     lane is bound by the GPU, a host step is a whole forward pass for its few rows and costs the device lane
@@ -27,6 +29,7 @@
 from collections.abc import Iterable, Iterator
 
 from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.host_stay import host_gain_seconds
 from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
@@ -43,20 +46,32 @@ def can_ever_fit(seq: Sequence, policy: str, blocks: BlockManager) -> bool:
 
 
 def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[Sequence],
-                stats: LaneStats | None = None, waiting: Iterable[Sequence] = ()) -> BlockLocation | None:
+                stats: LaneStats | None = None, waiting: Iterable[Sequence] = (),
+                kv_promotion: bool = True) -> BlockLocation | None:
     """The tier to admit `seq` on now, or None if it has to wait for room. `waiting`: the requests queued
-    behind it, which would join the host lane with it."""
+    behind it, which would join the host lane with it. With kv_promotion, host rows that will move up take
+    device room first (_awaiting_promotion)."""
     if policy in ("gpu", "cpu"):
         tier = tiers_allowed(policy)[0]
         return tier if blocks.can_allocate(seq, tier) else None
     device_ever = blocks.pool(GPU).blocks_for(seq.budget) <= blocks.pool(GPU).num_blocks
-    if device_ever and blocks.can_allocate(seq, GPU):
+    if device_ever and blocks.can_allocate(seq, GPU) and not (kv_promotion and _awaiting_promotion(running, blocks)):
         return GPU
     if not blocks.can_allocate(seq, CPU):
         return None
-    if not device_ever or _checked("admit", host_lane_pays(seq, running, stats, joining=waiting), stats):
+    if not device_ever or _checked("admit", host_lane_pays(seq, running, blocks, stats, joining=waiting), stats):
         return CPU
     return None
+
+
+def _awaiting_promotion(running: Iterable[Sequence], blocks: BlockManager) -> bool:
+    """Whether a host-tier row that could decode on the device waits for device room. Such rows go first, as
+    "gpu" re-admits its preempted sequences before later requests (they wait at the head of its queue): a new
+    request given room a demotion had just freed pushed the device over again within a few steps, and the next
+    row nearest its end was demoted, 65 times where "gpu" recomputed 4 (0.6B shape, 64 x (2048 + 256) at 2,304
+    blocks, benchmarks/simulate_placement.py)."""
+    gpu = blocks.pool(GPU)
+    return any(s.location == CPU and not s.is_split and gpu.blocks_for(s.budget) <= gpu.num_blocks for s in running)
 
 
 def split_device_tokens(seq: Sequence, policy: str, blocks: BlockManager, running: Iterable[Sequence],
@@ -142,27 +157,33 @@ def _checked(kind: str, pays: bool, stats: LaneStats | None) -> bool:
     return pays
 
 
-def host_lane_pays(seq: Sequence, running: Iterable[Sequence], stats: LaneStats | None,
+def host_lane_pays(seq: Sequence, running: Iterable[Sequence], blocks: BlockManager, stats: LaneStats | None,
                    joining: Iterable[Sequence] = ()) -> bool:
-    """Whether seq as one more host-lane row adds tokens per second overall.
+    """Whether seq as one more host-lane row saves the device lane more time than it costs, over the time it would
+    stay there (engine/host_stay.py): the tokens it makes before device room frees for it, against its promotion
+    then and the slowdown of the device lane while the host lane runs. A busy lane takes seq if the gain of its
+    rows with seq beats the gain without; an idle one is woken only if the gain of every row that would start it
+    together (seq and `joining`) is positive.
 
-    The host lane gives rows / step_time tokens per second, with step_time predicted from the KV bytes its
-    rows hold (LaneStats); a busy lane takes seq if that rate goes up. Waking the lane from idle also slows
-    every device step by the measured slowdown, which costs the device lane that share of its tokens: that is
-    weighed against what the lane would give with every row that would start it together (seq and
-    `joining`). Until the engine has measured a host step there is nothing to predict from, and the lane is
-    tried."""
+    Before both lanes are measured there is nothing to predict from. The first request tries the host lane alone
+    while the rest wait for its measured step (a few device steps): admitting every waiting request on no
+    evidence sent all 48 of a prompt-heavy batch to the host tier in its first prefill steps, each to make ~14
+    tokens and be promoted back (benchmarks/NOTES.md). And while the device lane has rows but no measured step,
+    requests wait for it."""
     if stats is None or stats.kv_bytes_per_token is None:
         return True
-    host_tokens = [s.num_host_tokens for s in running if s.location == CPU and s is not seq]
-    if not host_tokens:
-        host_tokens_after = [len(seq)] + [len(s) for s in joining if s is not seq]
-        rate_after = _host_rate(host_tokens_after, stats)
-        if rate_after is None or not stats.device_tok_s.value:
-            return True
-        return rate_after > stats.device_tok_s.value * (1 - 1 / stats.slowdown)
-    before, after = _host_rate(host_tokens, stats), _host_rate(host_tokens + [len(seq)], stats)
-    return before is None or after is None or after > before
+    running = list(running)
+    host = [s for s in running if s.location == CPU and s is not seq]
+    device = [s for s in running if s.location == GPU]
+    if stats.host_step_seconds(0) is None:
+        return not host
+    if not stats.device_tok_s.value:
+        return not device
+    if not host:
+        with_seq = host_gain_seconds([seq, *(s for s in joining if s is not seq)], device, blocks, stats)
+        return with_seq is None or with_seq > 0
+    without, with_seq = (host_gain_seconds(rows, device, blocks, stats) for rows in (host, [*host, seq]))
+    return without is None or with_seq is None or with_seq > without
 
 
 def host_step_pays(host_rows: list[Sequence], device_rows: int, stats: LaneStats | None) -> bool:

@@ -64,7 +64,8 @@ class Scheduler:
                 batch.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self._could_join())
+            tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self._could_join(),
+                               self.kv_promotion)
             if tier is None:
                 break
             device_tokens = placement.split_device_tokens(seq, self.kv_placement, self.blocks, self.running,

@@ -2,6 +2,8 @@
 import pytest
 
 from offload_engine import SamplingParams
+from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.host_stay import host_gain_seconds
 from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.placement import host_lane_pays, host_step_pays
 from offload_engine.engine.sequence import BlockLocation, Sequence
@@ -9,8 +11,8 @@ from offload_engine.engine.sequence import BlockLocation, Sequence
 KV_BYTES = 1000  # per token
 
 
-def _host_seq(num_tokens: int) -> Sequence:
-    seq = Sequence(list(range(num_tokens)), SamplingParams(), budget=num_tokens + 8)
+def _host_seq(num_tokens: int, new_tokens: int = 8) -> Sequence:
+    seq = Sequence(list(range(num_tokens)), SamplingParams(), budget=num_tokens + new_tokens)
     seq.location = BlockLocation.CPU
     return seq
 
@@ -56,31 +58,83 @@ def test_slowdown_compares_steps_of_equal_rows_only():
     assert 1.0 < stats.slowdown < 1.03
 
 
-def test_unmeasured_host_lane_is_tried():
-    assert host_lane_pays(_host_seq(100), [], LaneStats(KV_BYTES))
+def _pools(gpu_blocks: int = 64) -> BlockManager:
+    return BlockManager(gpu_blocks, 16, 4000, 16, False)
 
 
-def test_a_running_host_lane_takes_rows_like_its_own_but_not_a_far_longer_one():
-    stats = _measured(fixed=0.02, per_byte=1e-8)
-    running = [_host_seq(1000) for _ in range(4)]
-    assert host_lane_pays(_host_seq(1000), running, stats)
-    # One row of 200k tokens would slow every step of the four others more than its own tokens add.
-    assert not host_lane_pays(_host_seq(200_000), running, stats)
+def _device_rows(blocks: BlockManager, count: int, prompt: int, new_tokens: int) -> list[Sequence]:
+    rows = []
+    for _ in range(count):
+        seq = Sequence(list(range(prompt)), SamplingParams(max_tokens=new_tokens), budget=prompt + new_tokens)
+        blocks.allocate(seq, BlockLocation.GPU)
+        rows.append(seq)
+    return rows
+
+
+def _lanes(device_rows: int, device_step: float, fixed: float, per_byte: float, busy_step: float | None = None,
+           move_per_token: float | None = None) -> LaneStats:
+    """Both lanes measured: device steps of device_rows rows, host steps of `fixed` + per_byte, and a move."""
+    stats = _measured(fixed, per_byte)
+    for _ in range(40):
+        stats.device_step_done(device_rows, device_step, host_busy=False)
+        stats.device_step_done(device_rows, busy_step or device_step, host_busy=True)
+    if move_per_token is not None:
+        stats.move_done(1000, move_per_token * 1000)
+    return stats
+
+
+def test_before_the_lanes_are_measured_one_request_tries_the_host_lane_and_the_rest_wait():
+    blocks = _pools()
+    device = _device_rows(blocks, 2, 480, 32)
+    assert host_lane_pays(_host_seq(100), device, blocks, LaneStats(KV_BYTES))
+    assert not host_lane_pays(_host_seq(100), [*device, _host_seq(100)], blocks, LaneStats(KV_BYTES))
+    # The host lane measured, the device lane not yet (its rows are still in prefill): wait for its first steps.
+    assert not host_lane_pays(_host_seq(100), device, blocks, _measured(fixed=0.02, per_byte=1e-8))
+    assert host_lane_pays(_host_seq(100), [], blocks, _measured(fixed=0.02, per_byte=1e-8))  # no device rows
+
+
+def test_a_request_whose_stay_is_too_short_to_pay_for_its_promotion_waits():
+    """Prompt-heavy: the device rows end in 32 steps, so a host row makes ~13 tokens before room frees and it moves
+    up, and its promotion costs more device time than those tokens save. Decode-heavy, the same request stays for
+    ~400 tokens, and the promotion is cheap beside them."""
+    stats = _lanes(device_rows=4, device_step=0.010, fixed=0.02, per_byte=1e-8, move_per_token=5e-4)
+    short_blocks, long_blocks = _pools(128), _pools(128)
+    short = _device_rows(short_blocks, 4, 480, 32)
+    long = _device_rows(long_blocks, 4, 480, 1000)
+    request = _host_seq(480, new_tokens=1000)
+    assert not host_lane_pays(request, short, short_blocks, stats)
+    assert host_lane_pays(request, long, long_blocks, stats)
+    assert host_gain_seconds([request], short, short_blocks, stats) < 0 < host_gain_seconds(
+        [request], long, long_blocks, stats)
+    free_moves = _lanes(device_rows=4, device_step=0.010, fixed=0.02, per_byte=1e-8, move_per_token=0.0)
+    assert host_lane_pays(request, short, short_blocks, free_moves)  # the tokens alone pay
 
 
 def test_starting_the_lane_must_beat_what_it_costs_the_device_lane():
-    stats = _measured(fixed=0.02, per_byte=1e-9)  # a host step: 20 ms + 1 ms per row of 1k tokens
-    for _ in range(40):
-        stats.device_step_done(rows=64, seconds=0.010, host_busy=False)  # ~6,400 tok/s
-        stats.device_step_done(rows=64, seconds=0.0105, host_busy=True)  # 5% slower: ~300 tok/s lost
-    # One host row of 1k tokens gives ~48 tok/s, five ~200: not worth waking the lane for...
-    assert not host_lane_pays(_host_seq(1000), [], stats)
-    assert not host_lane_pays(_host_seq(1000), [], stats, joining=[_host_seq(1000) for _ in range(4)])
-    # ...but forty waking it together give ~670 tok/s.
-    assert host_lane_pays(_host_seq(1000), [], stats, joining=[_host_seq(1000) for _ in range(39)])
+    blocks = _pools(4 * 63 + 10)
+    device = _device_rows(blocks, 4, 1000, 10_000)  # they do not end while the host rows run
+    # Device steps of 10 ms (400 tok/s), 10% slower beside a host step: ~36 tok/s lost while the lane runs.
+    # A host step: 200 ms + 1 ms per row of 1k tokens; each host row makes its 8 tokens and ends there.
+    stats = _lanes(device_rows=4, device_step=0.010, busy_step=0.011, fixed=0.2, per_byte=1e-9, move_per_token=1e-6)
+    # One row gives ~5 tok/s, four ~20: not worth waking the lane for...
+    assert not host_lane_pays(_host_seq(1000), device, blocks, stats)
+    assert not host_lane_pays(_host_seq(1000), device, blocks, stats, joining=[_host_seq(1000) for _ in range(3)])
+    # ...but forty waking it together give ~170 tok/s.
+    assert host_lane_pays(_host_seq(1000), device, blocks, stats, joining=[_host_seq(1000) for _ in range(39)])
     for _ in range(200):  # the host lane stops costing the device lane anything
-        stats.device_step_done(rows=64, seconds=0.010, host_busy=True)
-    assert host_lane_pays(_host_seq(1000), [], stats)
+        stats.device_step_done(4, 0.010, host_busy=True)
+    assert host_lane_pays(_host_seq(1000), device, blocks, stats)
+
+
+def test_a_running_host_lane_takes_rows_like_its_own_but_not_a_far_longer_one():
+    """The host rows move up when the device rows end, 3 s from now, making ~50 tokens each until then. A row of
+    20k tokens with 8 to go would slow their steps fourfold, costing them ~150 tokens to make its own 8."""
+    blocks = _pools(4 * 313 + 10)
+    device = _device_rows(blocks, 4, 5000, 300)  # 300 steps of 10 ms
+    stats = _lanes(device_rows=4, device_step=0.010, fixed=0.02, per_byte=1e-8, move_per_token=1e-7)
+    running = [*device, *(_host_seq(1000, new_tokens=1000) for _ in range(4))]
+    assert host_lane_pays(_host_seq(1000, new_tokens=1000), running, blocks, stats)
+    assert not host_lane_pays(_host_seq(20_000), running, blocks, stats)
 
 
 def test_the_host_lane_steps_only_while_it_pays_with_all_its_rows():
@@ -142,6 +196,7 @@ def test_overflow_is_demoted_even_where_the_host_lane_costs_more_than_it_adds(qw
     assert stats.checks[("admit", False)] >= 1  # the idle lane was not woken for a waiting request
     assert stats.checks[("host_step", False)] >= 1  # nor did it step for its demoted rows beside the device's
     assert llm.engine.scheduler.num_demotions >= 1 and llm.engine.scheduler.num_preemptions == 0
+    assert stats.snapshot()["moves_measured"] >= 1  # what a move cost the device lane, for the admission check
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 20)):
         assert output.token_ids[: len(ref)] == ref
     llm.close()
@@ -150,21 +205,23 @@ def test_overflow_is_demoted_even_where_the_host_lane_costs_more_than_it_adds(qw
 @pytest.mark.real_cost_check
 def test_only_requests_that_could_run_count_as_joining_the_host_lane():
     """A queue of forty behind max_num_seqs=4 must not talk the check into waking the lane for one row."""
-    from offload_engine.engine.block_manager import BlockManager
     from offload_engine.engine.scheduler import Scheduler
 
-    stats = _measured(fixed=0.02, per_byte=1e-9)
+    # The device row ends in 900 steps of 10 ms, 25% slower beside a host step; a host step takes 400 ms and ~5 ms
+    # per row: in those 9 s each host row makes ~20 tokens, worth 0.2 s of the device lane, and the busy lane costs
+    # it 1.8 s: three rows do not pay for that; forty, moving up one by one, do.
+    stats = _lanes(device_rows=1, device_step=0.010, busy_step=0.0125, fixed=0.4, per_byte=5e-9)
+    # 128 device blocks hold one request's budget (125 blocks): the first goes to the device, the rest ask the check.
+    blocks = _pools(128)
+    scheduler = Scheduler(blocks, "auto", max_num_seqs=4, max_num_batched_tokens=4096, max_model_len=2048,
+                          eos_token_ids=(), stats=stats)
     for _ in range(40):
-        stats.device_step_done(rows=64, seconds=0.010, host_busy=False)
-        stats.device_step_done(rows=64, seconds=0.0105, host_busy=True)
-    # 64 device blocks hold one request's budget (63 blocks): the first goes to the device, the rest ask the check.
-    scheduler = Scheduler(BlockManager(64, 16, 400, 16, False), "auto", max_num_seqs=4, max_num_batched_tokens=4096,
-                          max_model_len=2048, eos_token_ids=(), stats=stats)
-    for _ in range(40):
-        scheduler.add(Sequence(list(range(1000)), SamplingParams(), budget=1008))
-    assert len(list(scheduler._could_join())) == 4
-    assert host_lane_pays(_host_seq(1000), [], stats, joining=[_host_seq(1000) for _ in range(39)])
-    assert not host_lane_pays(_host_seq(1000), [], stats, joining=scheduler._could_join())
+        scheduler.add(Sequence(list(range(1100)), SamplingParams(max_tokens=900), budget=2000))
     batch = scheduler.schedule_prefill()
     assert [s.location for s in batch] == [BlockLocation.GPU]  # the rest wait, as under "gpu"
     assert stats.checks[("admit", False)] == 1
+    joining = list(scheduler._could_join())
+    assert len(joining) == 3
+    device, queue = list(scheduler.running), list(scheduler.waiting)
+    assert not host_lane_pays(queue[0], device, blocks, stats, joining=joining)
+    assert host_lane_pays(queue[0], device, blocks, stats, joining=queue[1:])

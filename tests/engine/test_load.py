@@ -9,6 +9,7 @@ import random
 import pytest
 
 from offload_engine import LLM, SamplingParams
+from offload_engine.engine import placement
 from offload_engine.engine.sequence import BlockLocation
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
@@ -46,6 +47,10 @@ def load(qwen3_dir):
     rng.shuffle(lengths)
     prompts = random_prompts(lengths, VOCAB, seed=90)
     params = _mixed_params(rng, NUM_REQUESTS)
+    # The cost check pinned to "pays", as conftest pins it for each test: a module fixture is made before that.
+    patch = pytest.MonkeyPatch()
+    patch.setattr(placement, "host_lane_pays", lambda *args, **kwargs: True)
+    patch.setattr(placement, "host_step_pays", lambda host_rows, *args: bool(host_rows))
     llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", **POOLS)
     pools = {tier: llm.engine.blocks.pool(tier) for tier in (BlockLocation.GPU, BlockLocation.CPU)}
     fewest_free = {tier: pool.num_blocks for tier, pool in pools.items()}
@@ -60,6 +65,7 @@ def load(qwen3_dir):
     llm.engine.step = watched_step
     outputs = llm.generate(prompts, params, use_tqdm=False)
     llm.engine.step = step
+    patch.undo()
     yield llm, prompts, params, outputs, fewest_free
     llm.close()
 

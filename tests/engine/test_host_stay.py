@@ -1,0 +1,72 @@
+"""The admission check's horizon: when host rows would move up, and what the host lane gains until then."""
+import math
+
+from offload_engine import SamplingParams
+from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.host_stay import promotion_delays, promotion_order
+from offload_engine.engine.lane_stats import LaneStats
+from offload_engine.engine.placement import choose_tier, promotions
+from offload_engine.engine.sequence import BlockLocation, Sequence
+
+GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
+
+
+def _seq(prompt: int, new_tokens: int) -> Sequence:
+    return Sequence(list(range(prompt)), SamplingParams(max_tokens=new_tokens), budget=prompt + new_tokens)
+
+
+def _placed(blocks: BlockManager, tier: BlockLocation, prompt: int, new_tokens: int) -> Sequence:
+    seq = _seq(prompt, new_tokens)
+    blocks.allocate(seq, tier)
+    return seq
+
+
+def test_host_rows_move_up_as_the_device_rows_that_make_room_for_them_end():
+    blocks = BlockManager(100, 16, 1000, 16, False)
+    # Device rows: 40 and 48 blocks now, 45 and 50 at their ends, 10 and 50 steps away; 12 blocks free.
+    device = [_placed(blocks, GPU, 640, 80), _placed(blocks, GPU, 768, 32)]
+    device[0].token_ids += [1] * 70  # 10 tokens left
+    assert [s.tokens_left for s in device] == [10, 32] and blocks.pool(GPU).num_free == 12
+    first, second, short = _seq(600, 500), _seq(600, 400), _seq(100, 3)
+    step, rate = 0.01, 10.0  # a device step, and a host row's tokens a second
+    # `first` needs 38 blocks (its next token included): the row ending in 10 steps frees 45. `second` needs the
+    # other's 50 too; `short` ends on the host (0.3 s) before any room is left for it.
+    delays = promotion_delays(promotion_order([short, second, first]), device, blocks, step, rate)
+    assert delays == [0.1, 0.32, math.inf]
+    # A row that never fits the device pool whole never moves up.
+    assert promotion_delays([_seq(1600, 100)], device, blocks, step, rate) == [math.inf]
+
+
+def test_the_forecast_takes_host_rows_in_the_order_promotions_takes_them():
+    blocks = BlockManager(400, 16, 1000, 16, False)
+    rows = [_placed(blocks, CPU, 100, tokens) for tokens in (50, 300, 300, 10)]
+    for row in rows:
+        row.num_computed_tokens = len(row)  # prefilled: promotions() passes over rows still in prefill
+    assert promotion_order(rows) == [rows[1], rows[2], rows[0], rows[3]]
+    assert list(promotions(rows, blocks)) == promotion_order(rows)
+
+
+def test_a_new_request_waits_behind_a_host_row_that_waits_for_device_room():
+    """As "gpu" re-admits a preempted sequence before later requests, a row demoted to the host tier takes device
+    room before a new request does, even one whose prompt fits what is free now."""
+    blocks = BlockManager(100, 16, 1000, 16, False)
+    device = _placed(blocks, GPU, 1200, 100)  # 75 blocks: 25 free
+    demoted = _placed(blocks, CPU, 1000, 200)  # needs 63 device blocks to move up
+    newcomer = _seq(300, 100)  # 19 blocks: fits now
+    running = [device, demoted]
+    assert blocks.can_allocate(newcomer, GPU)
+    assert choose_tier(newcomer, "auto", blocks, running, LaneStats(1000)) is CPU  # the unmeasured lane is tried
+    assert choose_tier(newcomer, "auto", blocks, [r for r in running if r is not demoted]) is GPU
+    assert choose_tier(newcomer, "gpu", blocks, running) is GPU
+
+
+def test_move_cost_is_seeded_from_the_link_then_measured():
+    stats = LaneStats(kv_bytes_per_token=1000)
+    assert stats.move_seconds_per_token == 0.0  # nothing known: moves look free
+    seeded = LaneStats(kv_bytes_per_token=1000, link_seconds_per_byte=1 / 50e9)
+    assert math.isclose(seeded.move_seconds_per_token, 1000 / 50e9)
+    seeded.move_done(2000, 0.004)
+    assert math.isclose(seeded.move_seconds_per_token, 2e-6)
+    seeded.move_done(0, 1.0)  # nothing moved: nothing learnt
+    assert math.isclose(seeded.move_seconds_per_token, 2e-6)
+    assert seeded.snapshot()["moves_measured"] == 1
