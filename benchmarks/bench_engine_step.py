@@ -164,6 +164,9 @@ def main() -> None:
     parser.add_argument("--unfused", action="store_true", help="also time the steps without the fused kernels")
     parser.add_argument("--unfused-kernels", default="",
                         help="with --unfused: leave out only these fused kernels (comma-separated, layers/fused.py)")
+    parser.add_argument("--try-kernels", default="",
+                        help="also time the steps with these unmeasured fused kernels on (comma-separated, "
+                             "layers/fused.py UNMEASURED, e.g. kv_store)")
     parser.add_argument("--skip-a", action="store_true")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out-dir", default=None)
@@ -187,6 +190,20 @@ def main() -> None:
         fused.DISABLED.clear()
         for row, other in zip(result["steps"], unfused):
             row["unfused_gpu_ms"], row["unfused_wall_ms"] = other["gpu_ms"], other["wall_ms"]
+    tried = {k for k in args.try_kernels.split(",") if k}
+    if tried:  # the same grid with kernels that are off until measured (layers/fused.py): whether each pays
+        unknown = tried - fused.UNMEASURED
+        if unknown:
+            raise ValueError(f"--try-kernels: {sorted(unknown)} are not among {sorted(fused.UNMEASURED)}")
+        fused.TRIED.update(tried)
+        with_tried, _, _ = step_grid(path, batches, contexts, args.steps, hbm_gbps, (True,), " tried")
+        fused.TRIED.clear()
+        result["tried_kernels"] = sorted(tried)
+        for row, other in zip(result["steps"], with_tried):
+            row["tried_gpu_ms"], row["tried_wall_ms"] = other["gpu_ms"], other["wall_ms"]
+            print(f"[tried {','.join(sorted(tried))}] batch {row['batch']:>3} context {row['context']:>5}: graph "
+                  f"{other['gpu_ms'] / row['gpu_ms']:.3f}x, wall {other['wall_ms'] / row['wall_ms']:.3f}x of without",
+                  flush=True)
 
     rng = random.Random(0)
     prompt_lens = [rng.randint(100, 1024) for _ in range(args.num_prompts)]

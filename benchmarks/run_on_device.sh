@@ -2,7 +2,7 @@
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b, suite-ac-8b,
-#   suite-dh-small, suite-dh-8b, multi-gpu, multi-gpu-tp
+#   suite-dh-small, suite-dh-8b, kv-store, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
@@ -66,6 +66,11 @@ case "${1:-check}" in
   suite-dh-8b)  # decode-heavy 8B: gpu and auto at a 24 GiB card's KV room and at 1/8, no cpu, no peers (~4-5 min)
     step suite_dh_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names dh \
       --b-models qwen3-8b --out-dir "$OUT"
+    ;;
+  kv-store)  # whether the K/V store inside the rotation's kernel pays (layers/fused.py UNMEASURED): the step grid
+    # with and without it, side by side in one process
+    step kv_store_try 500 python3 benchmarks/bench_engine_step.py --try-kernels kv_store --skip-hf --skip-a \
+      --batches 1,4,16,64,256 --contexts 512,2048 --out-dir "$OUT/kv_store_try"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"

@@ -28,16 +28,19 @@ class Attention(nn.Module):
         self.ring = None  # engine.pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic to the host
         self.copy_stream = None  # with the ring: where host-tier prefill K/V cross to it, beside the layer's compute
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]."""
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
+                kv_stored: bool = False) -> torch.Tensor:
+        """q [T, Hq, D], k/v [T, Hkv, D] -> [T, Hq, D]. kv_stored: a decode step's device rows' K/V are in the
+        device pool already (written by the rotation's kernel, layers.fused.stores_kv_ahead)."""
         if meta.is_prefill:
             return self._prefill(q, k, v, meta)
-        return self._decode(q, k, v, meta)
+        return self._decode(q, k, v, meta, kv_stored)
 
-    def _decode(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
+    def _decode(self, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
         host_job = self._submit_host_decode(q, k, v, meta) if meta.has_cpu_rows else None
         if meta.has_gpu_rows:
-            self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            if not kv_stored:
+                self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             out, lse = self.backend.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
             if host_job is None:

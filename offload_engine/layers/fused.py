@@ -6,7 +6,19 @@ read while a step runs, so CUDA graphs keep what it was when they were captured:
 """
 ENABLED = True
 DISABLED: set[str] = set()  # kernels left out one by one ("rms_norm", "norm_rope", "silu_and_mul"): what each pays
+# Built and exact, but not yet shown on the device to pay: off unless a benchmark tries them (bench_engine_step.py
+# --try-kernels). "kv_store": the decode step's device-tier K/V store inside the k rotation (kernels/rotary.py).
+UNMEASURED = frozenset({"kv_store"})
+TRIED: set[str] = set()
 
 
 def use_fused(x, kernel: str) -> bool:
-    return ENABLED and kernel not in DISABLED and x.is_cuda
+    return ENABLED and kernel not in DISABLED and (kernel not in UNMEASURED or kernel in TRIED) and x.is_cuda
+
+
+def stores_kv_ahead(meta, x, attn) -> bool:
+    """Whether this forward's device-tier K/V store runs in the k rotation's kernel (kernels.norm_rope with a
+    store) instead of in the attention layer: decode steps with device rows, on CUDA with both kernels on, once
+    the layer's pool is bound. One launch fewer per layer."""
+    return (use_fused(x, "norm_rope") and use_fused(x, "kv_store") and not meta.is_prefill and meta.has_gpu_rows
+            and attn.k_cache is not None)

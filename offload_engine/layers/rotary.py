@@ -29,15 +29,20 @@ class RotaryEmbedding(nn.Module):
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
 
-    def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None):
+    def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None,
+                        store=None):
         """q and k normalized per head (Qwen3's q_norm and k_norm, RMSNorm modules, or None) and rotated. On CUDA
-        one fused kernel per tensor (kernels/rotary.py) instead of ~17 launches each."""
+        one fused kernel per tensor (kernels/rotary.py) instead of ~17 launches each. store: a kernels.KVStore the
+        k kernel also writes k and v into (only given where layers.fused.stores_kv_ahead said so)."""
         if use_fused(q, "norm_rope"):
             from kernels import norm_rope
 
-            fused = lambda x, norm: norm_rope(x, positions, self.cos, self.sin, None if norm is None else norm.weight,
-                                              0.0 if norm is None else norm.eps)
-            return fused(q, q_norm), fused(k, k_norm)
+            fused = lambda x, norm, store=None: norm_rope(x, positions, self.cos, self.sin,
+                                                          None if norm is None else norm.weight,
+                                                          0.0 if norm is None else norm.eps, store)
+            return fused(q, q_norm), fused(k, k_norm, store)
+        if store is not None:
+            raise ValueError("a K/V store inside the rotation needs the fused norm_rope kernel (layers/fused.py)")
         if q_norm is not None:
             q, k = q_norm(q), k_norm(k)
         return self(positions, q, k)

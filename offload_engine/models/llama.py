@@ -16,6 +16,7 @@ from offload_engine.layers.activation import SiluAndMul
 from offload_engine.layers.attention import Attention
 from offload_engine.layers.attention_metadata import AttentionMetadata
 from offload_engine.layers.embedding import LMHead, VocabEmbedding
+from offload_engine.layers.fused import stores_kv_ahead
 from offload_engine.layers.linear import FusedLinear, RowParallelLinear
 from offload_engine.layers.norm import RMSNorm
 from offload_engine.layers.rotary import RotaryEmbedding
@@ -36,14 +37,21 @@ class LlamaSelfAttention(nn.Module):
         self.rotary = rotary
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
 
-    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor):
-        """hidden [T, hidden] -> q [T, Hq, D], k/v [T, Hkv, D], normalized (Qwen3) and rotated."""
+    def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor, kv_slots: torch.Tensor | None = None):
+        """hidden [T, hidden] -> q [T, Hq, D], k/v [T, Hkv, D], normalized (Qwen3) and rotated. With kv_slots (a
+        decode step's device slot mapping, layers.fused.stores_kv_ahead), k and v are also stored in the layer's
+        device pool by the rotation's kernel, and the attention layer is told not to store them again."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
         v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm)
+        store = None
+        if kv_slots is not None:
+            from kernels import KVStore
+
+            store = KVStore(v, self.attn.k_cache, self.attn.v_cache, kv_slots)
+        q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm, store)
         return q, k, v
 
 
@@ -67,13 +75,13 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def pre_attention(self, positions, hidden, residual):
+    def pre_attention(self, positions, hidden, residual, kv_slots=None):
         """Norm (adding the residual) and q/k/v: everything of the layer before attention."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
             hidden, residual = self.input_layernorm(hidden, residual)
-        return (*self.self_attn.project_qkv(positions, hidden), residual)
+        return (*self.self_attn.project_qkv(positions, hidden, kv_slots), residual)
 
     def post_attention(self, attn_out, residual):
         """o_proj, norm (adding the residual) and MLP: everything of the layer after attention."""
@@ -97,26 +105,29 @@ class LlamaModel(nn.Module):
     # The forward pass in segments that meet only at attention: `begin`, then `between` each pair of layers,
     # then `end`. Eagerly they simply run in turn; the decode CUDA graphs capture each segment and run
     # attention, which may cross to the host tier, between the replays (engine/cuda_graphs.py).
-    def begin(self, token_ids, positions):
-        return self.layers[0].pre_attention(positions, self.embed_tokens(token_ids), None)
+    # kv_slots: the device slot mapping where the rotation stores K/V (forward only; see project_qkv).
+    def begin(self, token_ids, positions, kv_slots=None):
+        return self.layers[0].pre_attention(positions, self.embed_tokens(token_ids), None, kv_slots)
 
-    def between(self, layer: int, positions, attn_out, residual):
+    def between(self, layer: int, positions, attn_out, residual, kv_slots=None):
         hidden, residual = self.layers[layer - 1].post_attention(attn_out, residual)
-        return self.layers[layer].pre_attention(positions, hidden, residual)
+        return self.layers[layer].pre_attention(positions, hidden, residual, kv_slots)
 
     def end(self, attn_out, residual):
         hidden, residual = self.layers[-1].post_attention(attn_out, residual)
         return self.norm(hidden, residual)[0]
 
-    def attend(self, layer: int, q, k, v, meta):
-        return self.layers[layer].self_attn.attn(q, k, v, meta)
+    def attend(self, layer: int, q, k, v, meta, kv_stored: bool = False):
+        return self.layers[layer].self_attn.attn(q, k, v, meta, kv_stored)
 
     def forward(self, token_ids, positions, meta):
-        q, k, v, residual = self.begin(token_ids, positions)
+        stored = stores_kv_ahead(meta, token_ids, self.layers[0].self_attn.attn)
+        kv_slots = meta.slot_mapping if stored else None
+        q, k, v, residual = self.begin(token_ids, positions, kv_slots)
         for layer in range(len(self.layers)):
-            attn_out = self.attend(layer, q, k, v, meta)
+            attn_out = self.attend(layer, q, k, v, meta, stored)
             if layer + 1 < len(self.layers):
-                q, k, v, residual = self.between(layer + 1, positions, attn_out, residual)
+                q, k, v, residual = self.between(layer + 1, positions, attn_out, residual, kv_slots)
         return self.end(attn_out, residual)
 
 

@@ -96,3 +96,39 @@ def test_norm_rope_matches_float64_and_the_unfused_modules(dtype, tokens, heads,
         norm.weight.data = weight
         unfused = norm(x)
     _close(out, rotary(positions, unfused, unfused)[0], dtype)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("heads,dim,block_size", [(2, 16, 16), (8, 128, 16), (3, 24, 32)])
+def test_norm_rope_with_a_store_writes_exactly_what_store_kvcache_writes(dtype, heads, dim, block_size):
+    """k rotated into its slot and v beside it, at block boundaries and across blocks; slot -1 writes nothing, and
+    every other slot of both caches keeps its old (random) contents. Bit for bit what norm_rope without a store
+    (checked against float64 above) and then store_kvcache give."""
+    from kernels import KVStore
+
+    gen = torch.Generator().manual_seed(heads * dim + block_size)
+    tokens, num_blocks = 7, 5
+    wide = torch.randn(tokens, 3 * heads, dim, generator=gen).to(dtype)  # k and v: slices of one projection
+    k, v = wide[:, heads : 2 * heads], wide[:, 2 * heads :]
+    positions = torch.randint(0, 3000, (tokens,), generator=gen)
+    rotary = RotaryEmbedding(dim, 4096, {"rope_theta": 1e6, "rope_type": "default"})
+    weight = (torch.rand(dim, generator=gen) + 0.5).to(dtype)
+    k_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, heads, dim, generator=gen).to(dtype)
+    # Last and first slot of a block, a skipped token, the block after, the pool's last slot.
+    slots = torch.tensor([block_size - 1, block_size, -1, 3 * block_size + 5, 2, -1, num_blocks * block_size - 1])
+    on = lambda t: t.to(TEST_DEVICE)
+    rotated = norm_rope(on(k), on(positions), on(rotary.cos), on(rotary.sin), on(weight), 1e-6).cpu()
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    expected_k.view(-1, heads, dim)[slots[keep]] = rotated[keep]
+    expected_v.view(-1, heads, dim)[slots[keep]] = v[keep]
+    caches = on(k_cache.clone()), on(v_cache.clone())
+    out = norm_rope(on(k), on(positions), on(rotary.cos), on(rotary.sin), on(weight), 1e-6,
+                    store=KVStore(on(v), *caches, on(slots)))
+    assert torch.equal(out.cpu(), rotated)
+    assert torch.equal(caches[0].cpu(), expected_k) and torch.equal(caches[1].cpu(), expected_v)
+    assert not torch.equal(expected_k, k_cache)  # (the test writes something)
+    with pytest.raises(ValueError, match="slot_mapping"):
+        norm_rope(on(k), on(positions), on(rotary.cos), on(rotary.sin), on(weight), 1e-6,
+                  store=KVStore(on(v), *caches, on(slots[:3])))
