@@ -37,17 +37,19 @@ def promotion_delays(host_rows: list[Sequence], device_rows: list[Sequence], blo
         if row.is_split or gpu.blocks_for(row.budget) > gpu.num_blocks:  # never promoted (placement.promotions)
             delays.append(math.inf)
             continue
-        finishes_at = row.tokens_left / host_row_tok_s
-        while ends and gpu.blocks_for(len(row) + 1 + int(now * host_row_tok_s)) > free and ends[0][0] < finishes_at:
+        left, length = row.tokens_left, len(row) + 1  # (its KV and the next token, as promotions() asks)
+        finishes_at = left / host_row_tok_s
+        needed = gpu.blocks_for(length + int(now * host_row_tok_s))
+        while ends and needed > free and ends[0][0] < finishes_at:
             at, freed = heapq.heappop(ends)
             now, free = max(now, at), free + freed
-        needed = gpu.blocks_for(len(row) + 1 + int(now * host_row_tok_s))
+            needed = gpu.blocks_for(length + int(now * host_row_tok_s))
         if needed > free or now >= finishes_at:
             delays.append(math.inf)
             continue
         free -= needed
         delays.append(now)
-        heapq.heappush(ends, (now + (row.tokens_left - now * host_row_tok_s) * device_step, gpu.blocks_for(row.budget)))
+        heapq.heappush(ends, (now + (left - now * host_row_tok_s) * device_step, gpu.blocks_for(row.budget)))
     return delays
 
 
