@@ -1,6 +1,8 @@
 """The admission check's horizon: when host rows would move up, and what the host lane gains until then."""
 import math
 
+import pytest
+
 from offload_engine import SamplingParams
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.host_stay import promotion_delays, promotion_order
@@ -23,16 +25,18 @@ def _placed(blocks: BlockManager, tier: BlockLocation, prompt: int, new_tokens: 
 
 def test_host_rows_move_up_as_the_device_rows_that_make_room_for_them_end():
     blocks = BlockManager(100, 16, 1000, 16, False)
-    # Device rows: 40 and 48 blocks now, 45 and 50 at their ends, 10 and 50 steps away; 12 blocks free.
+    # Device rows: 40 and 48 blocks now, 45 and 50 at their ends, 10 and 32 steps away; 12 blocks free.
     device = [_placed(blocks, GPU, 640, 80), _placed(blocks, GPU, 768, 32)]
     device[0].token_ids += [1] * 70  # 10 tokens left
     assert [s.tokens_left for s in device] == [10, 32] and blocks.pool(GPU).num_free == 12
     first, second, short = _seq(600, 500), _seq(600, 400), _seq(100, 3)
     step, rate = 0.01, 10.0  # a device step, and a host row's tokens a second
-    # `first` needs 38 blocks (its next token included): the row ending in 10 steps frees 45. `second` needs the
-    # other's 50 too; `short` ends on the host (0.3 s) before any room is left for it.
+    # The device rows' growth to their budgets (5 + 2 blocks) is reserved: 5 blocks are free for host rows.
+    # `first` needs 38 (its next token included): the row ending in 10 steps frees 45, and `first` moves up then,
+    # holding its whole budget (69 blocks) from then on. So `second` fits only once `first` has ended too (499
+    # more steps), not when the other device row ends (0.32 s, 50 blocks). `short` ends on the host (0.3 s) first.
     delays = promotion_delays(promotion_order([short, second, first]), device, blocks, step, rate)
-    assert delays == [0.1, 0.32, math.inf]
+    assert delays == pytest.approx([0.1, 0.1 + 499 * step, math.inf])
     # A row that never fits the device pool whole never moves up.
     assert promotion_delays([_seq(1600, 100)], device, blocks, step, rate) == [math.inf]
 
