@@ -21,8 +21,7 @@ import torch.distributed as dist
 
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
-from offload_engine.distributed.wire import pack_moves, pack_seqs
-from offload_engine.distributed.wire import Call
+from offload_engine.distributed.wire import Call, pack_moves, pack_seqs
 from offload_engine.distributed.workers import STOP_TIMEOUT, WorkerError, WorkerGroup
 from offload_engine.engine.model_runner import ModelRunner
 

@@ -127,7 +127,9 @@ class LLMEngine:
         promotes_now = self.in_flight is None or (self.runner.promotes_beside_host_steps
                                                   and not self.runner.host_writes_pending())
         moves = self.scheduler.schedule_promotions() if promotes_now else []
-        move_seconds = 0.0  # of the engine thread, starting this step's moves (LaneStats.move_done)
+        # Of the engine thread, starting this step's moves (LaneStats.move_done). Promotions followed by a prefill
+        # step go unrecorded: the prefill's time would swamp what they cost.
+        move_seconds = 0.0
         if moves:
             began = time.perf_counter()
             self._promote(moves)
