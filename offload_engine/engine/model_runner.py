@@ -52,6 +52,8 @@ class ModelRunner:
         self._promotion_reads = None  # CUDA event: the latest promotion's direct reads of host blocks are done
         self.moves_stream = None  # CUDA: where promotions' direct reads run, beside the device lane's steps
         self._demotion_writes = None  # CUDA event: the latest demotion's direct writes into host blocks are done
+        self._prefill_writes = None  # CUDA event: the latest prefill's direct writes into host blocks are done
+        self.prefill_writes_stream = None  # where those writes run, beside the prefill's layers
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
         self.link_seconds_per_byte = None  # CUDA with a host tier: the pinned copy's, for LaneStats' move cost
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
@@ -147,9 +149,21 @@ class ModelRunner:
     def bind_kv_caches(self, device_pool, host_pool) -> None:
         """Hands every attention layer its caches in both tiers, the device backend and the host executor."""
         copy_stream = engine_stream(self.device, "prefill-writes") if self.ring is not None else None
+        self.prefill_writes_stream = copy_stream
+        # The host pool as the device addresses it: host-tier prefill writes whole host blocks there
+        # (engine/host_block_writes.py). Off CUDA the pool itself; on CUDA where the pinned pool is mapped.
+        mapped = None
+        if host_pool:
+            stacked = self.host_pool.device_stacked() if self.device.type == "cuda" else None
+            mapped = [tuple(stacked[i]) for i in range(len(host_pool))] if stacked is not None else None
+            mapped = host_pool if self.device.type != "cuda" else mapped
+        for builder in (self.inputs, self.host_inputs):
+            if builder is not None:
+                builder.direct_host_writes = mapped is not None
         for i, layer in enumerate(self.model.attention_layers()):
             layer.k_cache, layer.v_cache = device_pool[i]
             layer.k_cache_cpu, layer.v_cache_cpu = host_pool[i] if host_pool else (None, None)
+            layer.k_cache_mapped, layer.v_cache_mapped = mapped[i] if mapped else (None, None)
             layer.backend, layer.executor, layer.ring = self.backend, self.executor, self.ring
             layer.copy_stream = copy_stream
 
@@ -224,7 +238,7 @@ class ModelRunner:
             self.ring = None
         if self.model is not None:
             self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
-        self._wait_demotion_writes()  # no device write may land in host memory once it is unpinned
+        self._wait_direct_writes()  # no device write may land in host memory once it is unpinned
         self._wait_promotion_reads()  # nor a device read take place there
         if self.host_pool is not None:
             self.host_pool.close()  # unpinned before the memory can go
@@ -258,6 +272,7 @@ class ModelRunner:
         with torch.inference_mode(), torch.cuda.stream(self.moves_stream):
             # The new device blocks were freed by rows that steps queued on the device lane may still read.
             self.moves_stream.wait_stream(self.streams["device"])
+            self._after_prefill_writes()  # a host-tier prompt's KV may still be crossing to its host blocks
             read_mapped(moves, mapped, self.device_stacked, self.cfg.block_size, self._upload)
             self._promotion_reads = torch.cuda.Event()
             self._promotion_reads.record()
@@ -271,13 +286,14 @@ class ModelRunner:
     def demote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
         """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
         device has the copies queued: where the device writes the pinned pool directly, everything that reads
-        host blocks on the host waits for them first (_wait_demotion_writes); otherwise the host writes finish
+        host blocks on the host waits for them first (_wait_direct_writes); otherwise the host writes finish
         on the executor, in front of every such reader (engine/kv_demotion.py)."""
         from offload_engine.engine.kv_demotion import copy_to_host, write_mapped
 
         mapped = self.host_pool.device_stacked()
         with torch.inference_mode(), self._lane_stream("device"):
             self._after_promotion_reads()  # the host blocks written here may be ones a promotion still reads
+            self._after_prefill_writes()  # or ones an aborted prefill still writes
             if mapped is None:
                 self._host_writes += copy_to_host(moves, self.device_stacked, self.host_pool.layers, self.executor,
                                                   self.cfg.block_size, self.move_staging)
@@ -286,13 +302,24 @@ class ModelRunner:
             self._demotion_writes = torch.cuda.Event()
             self._demotion_writes.record()
 
-    def _wait_demotion_writes(self) -> None:
-        """Blocks until the device's direct writes of demoted KV into host blocks have landed. Called from both
-        lanes' threads, so it only reads the event: clearing it here could drop one the other thread just
-        recorded."""
-        writes = self._demotion_writes
-        if writes is not None:
-            writes.synchronize()
+    def _wait_direct_writes(self) -> None:
+        """Blocks until the device's direct writes into host blocks (of demoted KV, and of host-tier prefill) have
+        landed. Called from both lanes' threads, so it only reads the events: clearing one here could drop one the
+        other thread just recorded."""
+        for writes in (self._demotion_writes, self._prefill_writes):
+            if writes is not None:
+                writes.synchronize()
+
+    def _after_prefill_writes(self) -> None:
+        """Makes the current stream wait for the prefills' direct writes into host blocks queued so far."""
+        if self._prefill_writes is not None:
+            torch.cuda.current_stream().wait_event(self._prefill_writes)
+
+    def _record_prefill_writes(self) -> None:
+        """After a prefill step with host-tier rows: marks where its direct writes into host blocks end."""
+        if self.prefill_writes_stream is not None and self.inputs.direct_host_writes:
+            self._prefill_writes = torch.cuda.Event()
+            self._prefill_writes.record(self.prefill_writes_stream)
 
     def _wait_promotion_reads(self) -> None:
         """Blocks until the device's direct reads of host blocks for promotions have run."""
@@ -315,7 +342,7 @@ class ModelRunner:
         Nothing waits for these writes otherwise: every later reader of those host blocks runs on the executor
         after them (host decode, prefix staging, promotion), so the device lane never does."""
         if wait:
-            self._wait_demotion_writes()
+            self._wait_direct_writes()
         pending, self._host_writes = self._host_writes, []
         for write in pending:
             if wait or write.done():
@@ -328,7 +355,7 @@ class ModelRunner:
         a write that failed belongs to the aborted call, not to the next one."""
         if self.executor is not None:
             self.executor.drain()
-        self._wait_demotion_writes()
+        self._wait_direct_writes()
         self._wait_promotion_reads()
         self._host_writes = []
 
@@ -352,9 +379,11 @@ class ModelRunner:
             # The host step writes its new tokens into host blocks that a queued promotion may still read; the
             # other host writers (demotion, prefill) queue their copies behind the reads on the device (below).
             self._wait_promotion_reads()
-        if lane == "host" or (is_prefill and any(s.location == BlockLocation.CPU for s in seqs)):
-            # Host kernels read (and prefix staging gathers) host blocks that demoted KV may still be landing in.
-            self._wait_demotion_writes()
+        host_prefill = is_prefill and any(s.location == BlockLocation.CPU for s in seqs)
+        if lane == "host" or host_prefill:
+            # Host kernels read (and prefix staging gathers) host blocks that demoted KV, or an earlier prefill's,
+            # may still be landing in.
+            self._wait_direct_writes()
         with self._lane_stream(lane):
             if is_prefill:
                 # Prefix reuse may hand it device blocks a promotion is still filling, and its host-tier writes
@@ -369,6 +398,8 @@ class ModelRunner:
                                                  batch.rows, settings)
             else:
                 logits = self._forward(seqs, is_prefill, lane)
+            if host_prefill:
+                self._record_prefill_writes()
             return sample(logits, self._sampling_batch(seqs, lane)).tolist()
 
     def _sampling_batch(self, seqs: list[Sequence], lane: str) -> SamplingBatch:

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from offload_engine.engine.host_block_writes import HostBlockWrites
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 SEGMENT_MEMORY_SHARE = 0.5  # of the device memory free after start-up that segments may hold
@@ -36,6 +37,7 @@ class SegmentChunk:
     has_device_tokens: bool
     host_token_indices: torch.Tensor | None  # device int64: the tokens written on the host (None: all)
     host_token_slots: torch.Tensor  # host int64: their host-pool slots
+    block_writes: HostBlockWrites | None  # the host blocks the device writes whole (engine/host_block_writes.py)
     staging_slots: torch.Tensor  # device int64: token t of the sequence is staging slot t
     block_table: torch.Tensor  # device int32 [1, staging blocks]
     cu_seqlens_q: torch.Tensor  # device int32 [2]
@@ -59,7 +61,7 @@ class SegmentInputs:
 
 def segment_inputs(builder, seq: Sequence, chunk_tokens: int) -> SegmentInputs:
     """The maps of seq's scheduled tokens as one segment, in chunks of at most chunk_tokens. `builder` is the
-    runner's StepInputBuilder (its to_device and prefill_row)."""
+    runner's StepInputBuilder (its to_device, prefill_row and host_writes)."""
     start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
     block_size = builder.block_sizes[BlockLocation.CPU]
     row = builder.prefill_row(seq, start, end)
@@ -71,13 +73,14 @@ def segment_inputs(builder, seq: Sequence, chunk_tokens: int) -> SegmentInputs:
     for begin in range(0, end - start, chunk_tokens):
         stop = min(begin + chunk_tokens, end - start)
         host = host_slots[begin:stop]
-        on_host = np.flatnonzero(host >= 0)
+        block_writes, on_host = builder.host_writes(host)
         chunks.append(SegmentChunk(
             begin=begin, end=stop,
             device_slots=builder.to_device(device_slots[begin:stop], torch.int64),
             has_device_tokens=bool((device_slots[begin:stop] >= 0).any()),
             host_token_indices=None if on_host.size == stop - begin else builder.to_device(on_host, torch.int64),
             host_token_slots=torch.from_numpy(host[on_host]),
+            block_writes=block_writes,
             staging_slots=builder.to_device(np.arange(start + begin, start + stop), torch.int64),
             block_table=table,
             cu_seqlens_q=builder.to_device([0, stop - begin], torch.int32),

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from offload_engine.engine.host_block_writes import HostBlockWrites, plan_host_block_writes
 from offload_engine.engine.pinned_ring import PinnedRing
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
@@ -50,6 +51,8 @@ class StepInputBuilder:
         self.rng = np.random.default_rng(seed)  # the keys of unseeded sampled rows (layers/sampler.py)
         self.block_sizes = {BlockLocation.GPU: block_size, BlockLocation.CPU: cpu_block_size}
         self.ring = PinnedRing(STAGING_BYTES) if device.type == "cuda" else None
+        # Whether the device writes host-tier prefill K/V into the host pool itself (ModelRunner.bind_kv_caches).
+        self.direct_host_writes = False
 
     def to_device(self, data, dtype: torch.dtype) -> torch.Tensor:
         host = torch.as_tensor(np.asarray(data), dtype=dtype)
@@ -209,7 +212,7 @@ class StepInputBuilder:
                 start = seq.num_computed_tokens
                 slots[cu_seqlens[b] : cu_seqlens[b + 1]] = slots_for(tables[seq.seq_id], block_size, start,
                                                                      start + seq.num_scheduled_tokens)
-        host_tokens = np.flatnonzero(host_slots >= 0)
+        block_writes, host_tokens = self.host_writes(host_slots)
         return PrefixStaging(
             source_blocks=torch.tensor(source, dtype=torch.int64),
             device_source_blocks=self.to_device(device_source, torch.int64),
@@ -218,9 +221,22 @@ class StepInputBuilder:
             slot_mapping=self.to_device(slots, torch.int64),
             context_lens=self.to_device([s.num_computed_tokens + s.num_scheduled_tokens if s.seq_id in tables else 0
                                          for s in seqs], torch.int32),
-            host_token_indices=self.to_device(host_tokens, torch.int64) if mixed else None,
-            host_token_slots=torch.from_numpy(host_slots[host_tokens]) if mixed else torch.from_numpy(host_slots),
+            host_token_indices=(self.to_device(host_tokens, torch.int64) if mixed or host_tokens.size < len(host_slots)
+                                else None),
+            host_token_slots=torch.from_numpy(host_slots[host_tokens]),
+            block_writes=block_writes,
         )
+
+    def host_writes(self, host_slots: np.ndarray) -> tuple[HostBlockWrites | None, np.ndarray]:
+        """How the host-tier tokens of a prefill (host_slots: each token's host slot, -1 for others) reach the host
+        pool: the blocks the device writes whole (with direct_host_writes), and the indices of the tokens left for
+        the executor's path (engine/host_block_writes.py)."""
+        if not self.direct_host_writes:
+            return None, np.flatnonzero(host_slots >= 0)
+        plan, rest = plan_host_block_writes(host_slots, self.block_sizes[BlockLocation.CPU])
+        if plan is None:
+            return None, rest
+        return HostBlockWrites(*(self.to_device(a, torch.int64) for a in plan)), rest
 
 
 def _block_tables(rows: list[list[int]]) -> np.ndarray:

@@ -13,6 +13,7 @@ import time
 import torch
 from torch import nn
 
+from offload_engine.engine.host_block_writes import write_host_blocks
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
 
 
@@ -27,6 +28,9 @@ class Attention(nn.Module):
         self.executor = None  # cpu_attention.CpuAttentionExecutor: the host tier's one worker thread
         self.ring = None  # engine.pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic to the host
         self.copy_stream = None  # with the ring: where host-tier prefill K/V cross to it, beside the layer's compute
+        # The host tier as the device addresses it (the pinned pool mapped on CUDA, the pool itself on the CPU), or
+        # None: where host-tier prefill writes whole host blocks (engine/host_block_writes.py).
+        self.k_cache_mapped = self.v_cache_mapped = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:
@@ -71,9 +75,8 @@ class Attention(nn.Module):
     def _prefill(self, q, k, v, meta: AttentionMetadata) -> torch.Tensor:
         partials = []
         if meta.has_cpu_rows:
-            staging = meta.staging
-            meta.pending_host_writes.append(
-                self._submit_host_write(k, v, staging.host_token_indices, staging.host_token_slots))
+            self._write_host_tier(k, v, meta.staging.block_writes, meta.staging.host_token_indices,
+                                  meta.staging.host_token_slots, meta.pending_host_writes)
         if meta.has_gpu_rows:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
             partials.append(self.backend.paged_prefill_attention(
@@ -89,6 +92,16 @@ class Attention(nn.Module):
             return partials[0][0]
         # Each token has one non-empty partial here; the merge puts both tiers back into batch order.
         return self.backend.merge_attn_states(*partials[0], *partials[1])[0]
+
+    def _write_host_tier(self, k, v, block_writes, token_indices: torch.Tensor | None, token_slots: torch.Tensor,
+                         pending_writes: list) -> None:
+        """A prefill's host-tier K/V into the host pool: the blocks the device writes whole (block_writes, into the
+        pool as the device addresses it), and the other tokens through the executor (their futures appended to
+        pending_writes)."""
+        if block_writes is not None:
+            write_host_blocks(k, v, block_writes, self.k_cache_mapped, self.v_cache_mapped, self.copy_stream)
+        if token_slots.numel():
+            pending_writes.append(self._submit_host_write(k, v, token_indices, token_slots))
 
     def _submit_host_write(self, k, v, token_indices: torch.Tensor | None, token_slots: torch.Tensor):
         """Queues the host-pool write of the tokens at token_indices (None: all of them) into host slots
@@ -166,8 +179,8 @@ class Attention(nn.Module):
         and the segment's tokens up to their own."""
         if chunk.has_device_tokens:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, chunk.device_slots)
-        if chunk.host_token_slots.numel():
-            pending_writes.append(self._submit_host_write(k, v, chunk.host_token_indices, chunk.host_token_slots))
+        self._write_host_tier(k, v, chunk.block_writes, chunk.host_token_indices, chunk.host_token_slots,
+                              pending_writes)
         self.backend.store_kvcache(k, v, *staged, chunk.staging_slots)
         out, _ = self.backend.paged_prefill_attention(q, *staged, chunk.block_table, chunk.cu_seqlens_q,
                                                       chunk.context_lens, self.scale, chunk.num_tokens)

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from offload_engine.engine.host_block_writes import HostBlockWrites
+
 
 @dataclass
 class PrefixStaging:
@@ -28,10 +30,12 @@ class PrefixStaging:
     block_tables: torch.Tensor  # device int32 [B, max_blocks]: staging block ids, -1 for GPU-tier rows
     slot_mapping: torch.Tensor  # device int64 [T]: staging slot of each CPU-tier token, -1 otherwise
     context_lens: torch.Tensor  # device int32 [B]: KV length of CPU-tier rows (prefix + chunk), 0 otherwise
-    # In a mixed batch only the CPU-tier tokens' K/V cross to the host: their indices (device) and host
-    # slots; None when every token of the step is CPU-tier.
+    # The CPU-tier tokens whose K/V cross to the host through the executor: their indices (device; None: every
+    # token of the step) and host slots. Where the device writes the host pool itself, only those of blocks an
+    # earlier step began (engine/host_block_writes.py).
     host_token_indices: torch.Tensor | None
     host_token_slots: torch.Tensor | None
+    block_writes: HostBlockWrites | None = None  # the host blocks the device writes whole
 
 
 @dataclass

@@ -1,0 +1,77 @@
+"""Host-tier prefill K/V written by the device straight into the pinned host pool, a whole host block at a time.
+
+A host-tier prompt's K/V are computed on the device and belong in the host pool. They used to cross every layer
+to the pinned ring, where numba scattered them into the pool on the executor. The executor is the host lane's
+one worker, and a host step holds it from start to end. So once the ring was full (two 2k-token prompts at the
+0.6B shape), the prefill waited for the host step in flight and then for the scatter. A host-tier prompt's
+prefill took ~77 ms where a device-tier one took ~9, and that was the whole of auto's loss to gpu at the
+smallest budget of the prompt-heavy suite. There the 15 prompts admitted to the host tier added 1.16 s of
+prefill to a 9.4 s run, and decode alone was 5% faster than gpu's (0.6B, 64 x (2048 + 256) at 576 blocks,
+H100 host, 2026-11-23, benchmarks/results/nvidia-h100-80gb-hbm3/offload_full_b-qwen3-0.6b.json).
+
+Where the device can address the pinned pool (HostKVPool.device_stacked), the prefill writes the pool itself,
+as demotion does (engine/kv_demotion.py): the layer lays its tokens out as head-major host blocks on the device
+and copies them across PCIe on the prefill-writes stream, beside the next layers. Nothing on the host takes
+part. Readers of those blocks wait for the step's event (ModelRunner._wait_direct_writes).
+
+Only blocks whose first token is in the step are written this way: the rest of such a block holds no KV yet, so
+it can be written whole, its unused rows zeroed. The tokens of a block an earlier step began (a prompt's chunk
+that starts mid-block) take the executor's path, so no KV already in the pool is overwritten.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class HostBlockWrites:
+    """A step's host blocks that the device writes whole: row r of block j is the step's token token_rows[j * block
+    size + r], or a zeroed padding row."""
+
+    token_rows: torch.Tensor  # device int64 [blocks * block_size]: index of the step's token (k/v row) per row
+    pad_rows: torch.Tensor  # device int64: rows past the block's last token, zeroed
+    targets: torch.Tensor  # device int64 [blocks]: host-pool block ids, in the order of token_rows
+
+
+def plan_host_block_writes(host_slots: np.ndarray, block_size: int) -> tuple[tuple | None, np.ndarray]:
+    """host_slots: the host-pool slot of each token of the step (-1: not host-tier). -> ((token_rows, pad_rows,
+    targets) as host arrays, or None where no block is written whole; the indices of the host-tier tokens left
+    for the executor's path)."""
+    tokens = np.flatnonzero(host_slots >= 0)
+    slots = host_slots[tokens]
+    blocks = slots // block_size
+    whole = np.unique(blocks[slots % block_size == 0])
+    direct = np.isin(blocks, whole)
+    if not whole.size:
+        return None, tokens
+    rows = np.searchsorted(whole, blocks[direct]) * block_size + slots[direct] % block_size
+    token_rows = np.full(whole.size * block_size, tokens[direct][0], dtype=np.int64)
+    token_rows[rows] = tokens[direct]
+    written = np.zeros(token_rows.size, dtype=bool)
+    written[rows] = True
+    return (token_rows, np.flatnonzero(~written), whole.astype(np.int64)), tokens[~direct]
+
+
+def write_host_blocks(k: torch.Tensor, v: torch.Tensor, writes: HostBlockWrites, k_pool: torch.Tensor,
+                      v_pool: torch.Tensor, stream=None) -> None:
+    """k/v [T, Hkv, D] of the step -> the whole blocks of `writes` in k_pool/v_pool [blocks, Hkv, block_size, D]
+    (the host pool as the device addresses it, or the host pool itself off CUDA). The layout happens on the
+    current stream; the copy into the pool on `stream` (CUDA), which waits for it."""
+    num_blocks, num_kv_heads, block_size, head_dim = writes.targets.numel(), *k_pool.shape[1:]
+    laid_out = []
+    for source in (k, v):
+        rows = source.index_select(0, writes.token_rows)
+        if writes.pad_rows.numel():
+            rows.index_fill_(0, writes.pad_rows, 0)
+        laid_out.append(rows.view(num_blocks, block_size, num_kv_heads, head_dim).transpose(1, 2).contiguous())
+    if stream is None:
+        for pool, blocks in zip((k_pool, v_pool), laid_out):
+            pool.index_copy_(0, writes.targets, blocks)
+        return
+    stream.wait_stream(torch.cuda.current_stream(k.device))
+    with torch.cuda.stream(stream):
+        for pool, blocks in zip((k_pool, v_pool), laid_out):
+            pool.index_copy_(0, writes.targets, blocks)
+            blocks.record_stream(stream)  # the allocator keeps it until the copy has read it
+        writes.targets.record_stream(stream)
