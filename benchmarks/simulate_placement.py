@@ -7,7 +7,8 @@ the device, and the replay reproduces a device run's step and move counts. On th
 64 x (1024 + 1024) at 3,296 device blocks, it matched "gpu" exactly (2,074 device steps of 31.6 rows, 28
 recomputes) and "auto"'s steps and moves within 1%.
 
-Not modelled: the host lane's GPU work beyond a constant slowdown of device steps, host-tier prefill writes, and
+Not modelled: the host lane's GPU work beyond a constant slowdown of device steps (host-tier prefill only as a
+constant per token beyond a device-tier prompt's), and
 async scheduling's overlap beyond this: the GPU runs device steps back to back and the engine's own work hides
 behind them; the engine waits, on the clock, only where it reads a step's tokens. (Until 2026-11-23 a step moved
 the clock when it was queued, so a step read with no newer one behind it measured 0 s and the engine's device
@@ -33,7 +34,7 @@ from offload_engine.engine import llm_engine
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.scheduler import Scheduler
-from offload_engine.engine.sequence import Sequence
+from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.sampling_params import SamplingParams
 
 DEVICE_BLOCK_SIZE = 16
@@ -57,6 +58,7 @@ class CostModel:
     promote_s_per_tok: float  # device-lane seconds a promotion costs per token of context
     demote_s_per_tok: float  # the same for a demotion
     kv_bytes: int  # KV bytes per token
+    host_prefill_s_per_tok: float = 0.0  # what a host-tier prompt token's prefill takes beyond a device-tier one's
     link_bytes_per_s: float = 50e9  # the pinned copy ModelRunner times at start-up (LaneStats' move-cost seed)
 
 
@@ -66,13 +68,16 @@ class CostModel:
 # thread + 1.3 ms of slower device steps, a demotion 1.8 + 2.4 (benchmarks/NOTES.md, 2026-11-23 evening).
 # 8B: gpu's 2,868 tok/s at ~35 rows of ~1.5k tokens (12 ms a step); lane statistics host fixed 31-43 ms, 15-19 ms
 # per GB, slowdown 1.03-1.04 on prompt-heavy; moves scaled from 0.6B by KV bytes per token (not measured).
+# Host-tier prefill (late 2026-11-23, with the device writing host blocks itself): 0.6B, 16 host-tier prompts of
+# 2,048 tokens added 0.58 s of prefill to gpu's 0.53 at 576 blocks, ~18 us a token, and the lane's slowdown was
+# 1.05 (1.21 in the suite run before); 8B scaled by KV bytes per token (not measured).
 COST_MODELS = {
     "qwen3-8b": CostModel(dev_fixed=0.0075, dev_row=0.00005, kv_bw=3.0e12, busy=1.035, host_fixed=0.038,
                           host_per_gb=0.016, prefill_tok_s=21000, promote_s_per_tok=2.2e-6,
-                          demote_s_per_tok=3.6e-6, kv_bytes=147456),
+                          demote_s_per_tok=3.6e-6, kv_bytes=147456, host_prefill_s_per_tok=23e-6),
     "qwen3-0.6b": CostModel(dev_fixed=0.00145, dev_row=0.00001, kv_bw=4.0e12, busy=1.0, host_fixed=0.007,
                             host_per_gb=0.0103, prefill_tok_s=150000, promote_s_per_tok=1.7e-6,
-                            demote_s_per_tok=2.8e-6, kv_bytes=114688),
+                            demote_s_per_tok=2.8e-6, kv_bytes=114688, host_prefill_s_per_tok=18e-6),
 }
 HOST_POOL_BLOCKS = {"qwen3-8b": 6346, "qwen3-0.6b": 40000}
 
@@ -190,7 +195,9 @@ class FakeRunner:
 
     def run(self, batch: list[Sequence], is_prefill: bool, lane: str = "device"):
         if is_prefill:
-            self.clock.now = self._gpu(sum(seq.num_scheduled_tokens for seq in batch) / self.cost.prefill_tok_s)
+            host = sum(seq.num_scheduled_tokens for seq in batch if seq.location == BlockLocation.CPU)
+            self.clock.now = self._gpu(sum(seq.num_scheduled_tokens for seq in batch) / self.cost.prefill_tok_s
+                                       + host * self.cost.host_prefill_s_per_tok)
             return [1] * len(batch)
         host_busy = self.engine.in_flight is not None
         done_at = self._gpu(self._decode_seconds(batch) * (self.cost.busy if host_busy else 1.0))

@@ -11,6 +11,11 @@
   slower anyway, and comparing all steps at once took that for the host lane's doing. Steps that also copied
   KV between the tiers are not timed (the engine leaves them out).
 - The device lane's tokens per second, from its recent steps.
+- What a host-tier prompt's prefill costs beyond a device-tier one's, per prompt token: a prefill step with
+  host-tier rows, less what its tokens take in steps without (per token, measured too). Its host-tier rows write
+  their KV across PCIe and attend through a staging cache, and they are admitted a few at a time. At the 0.6B
+  shape that was ~18 us a token, ~36 ms a 2k-token prompt, against ~24 tokens each such row decoded on the host
+  before its promotion (64 x (2048 + 256) at 576 blocks, H100 host, 2026-11-23, benchmarks/NOTES.md).
 - What a move between the tiers (a promotion or a demotion) costs the device lane per token of KV moved: the
   engine thread's time starting its copies, plus how much longer the device step launched with it took than
   steps of its row count without (the step right after a promotion took 4.9 ms instead of 1.75 on the H100
@@ -49,6 +54,9 @@ class LaneStats:
         self.device_tok_s = _Average()
         self._move_seconds = _Average()  # device-lane seconds of a move...
         self._move_tokens = _Average()  # ...and the tokens it moved: the cost per token is the ratio
+        self._device_prefill = _Average()  # seconds per prompt token of prefill steps without host-tier rows
+        self._host_prefill_extra = _Average()  # seconds per host-tier prompt token beyond that
+        self.device_prefill_elsewhere = False  # prefill/decode separation: device-tier prompts prefill elsewhere
         self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
 
     # ---- recording -----------------------------------------------------------------------------------------
@@ -69,6 +77,15 @@ class LaneStats:
         if tokens > 0:
             self._move_seconds.add(max(0.0, seconds))
             self._move_tokens.add(tokens)
+
+    def prefill_done(self, tokens: int, host_tokens: int, seconds: float) -> None:
+        """A prefill step of `tokens` prompt tokens, `host_tokens` of them host-tier, took `seconds`."""
+        if tokens <= 0:
+            return
+        if not host_tokens:
+            self._device_prefill.add(seconds / tokens)
+        elif self._device_prefill.value is not None:
+            self._host_prefill_extra.add(max(0.0, seconds - tokens * self._device_prefill.value) / host_tokens)
 
     def record_check(self, kind: str, pays: bool) -> None:
         self.checks[(kind, pays)] += 1
@@ -93,6 +110,18 @@ class LaneStats:
         if self.link_seconds_per_byte is not None and self.kv_bytes_per_token:
             return self.link_seconds_per_byte * self.kv_bytes_per_token
         return 0.0
+
+    @property
+    def device_prefill_measured(self) -> bool:
+        return self._device_prefill.count > 0 or self.device_prefill_elsewhere
+
+    @property
+    def host_prefill_seconds_per_token(self) -> float | None:
+        """What a host-tier prompt token's prefill costs beyond a device-tier one's (None until measured; 0 where
+        device-tier prompts prefill on another device, with nothing here to compare with)."""
+        if self.device_prefill_elsewhere:
+            return 0.0
+        return self._host_prefill_extra.value
 
     def host_step_seconds(self, kv_bytes: int) -> float | None:
         """Predicted host step time for rows holding kv_bytes of KV, or None before a host step was measured."""
@@ -120,4 +149,5 @@ class LaneStats:
                 "host_steps": self.host_fixed.count, "device_slowdown": self.slowdown,
                 "device_tok_s": self.device_tok_s.value, "move_us_per_token": self.move_seconds_per_token * 1e6,
                 "moves_measured": self._move_tokens.count,
+                "host_prefill_extra_us_per_token": (self.host_prefill_seconds_per_token or 0.0) * 1e6,
                 "checks": {f"{kind}_{'pays' if pays else 'refused'}": n for (kind, pays), n in self.checks.items()}}

@@ -83,6 +83,7 @@ class LLMEngine:
         self.pending = None  # async scheduling: the device-lane step queued last, whose tokens are not read yet
         self._resolved_at = 0.0  # when the device lane's latest step was read: steps in a row are timed from it
         self.decoded_by_lane = {"device": 0, "host": 0}  # tokens each lane decoded (benchmarks report the split)
+        self.stats.device_prefill_elsewhere = cfg.prefill_device is not None
         try:
             self.prefill = PrefillLane.start(model_dir, model_cfg, cfg, dtype, max_model_len, self.runner,
                                              self.blocks) if cfg.prefill_device is not None else None
@@ -137,8 +138,12 @@ class LLMEngine:
         batch = self._schedule_prefill()
         if batch:
             finished += self._resolve_device_step()
-            finished += self.scheduler.postprocess(batch, self.runner.run(batch, is_prefill=True))
+            began = time.perf_counter()
             num_tokens = sum(s.num_scheduled_tokens for s in batch)
+            host_tokens = sum(s.num_scheduled_tokens for s in batch if s.location == BlockLocation.CPU)
+            sampled = self.runner.run(batch, is_prefill=True)
+            self.stats.prefill_done(num_tokens, host_tokens, time.perf_counter() - began)
+            finished += self.scheduler.postprocess(batch, sampled)
             return StepStats(True, num_tokens, time.perf_counter() - start, finished)
         if self.in_flight is None:
             # Holding sequences back for a promotion mid-step helps only where promotions can happen mid-step.

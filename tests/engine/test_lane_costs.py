@@ -72,9 +72,12 @@ def _device_rows(blocks: BlockManager, count: int, prompt: int, new_tokens: int)
 
 
 def _lanes(device_rows: int, device_step: float, fixed: float, per_byte: float, busy_step: float | None = None,
-           move_per_token: float | None = None) -> LaneStats:
-    """Both lanes measured: device steps of device_rows rows, host steps of `fixed` + per_byte, and a move."""
+           move_per_token: float | None = None, prefill_per_token: float = 0.0) -> LaneStats:
+    """Both lanes measured: device steps of device_rows rows, host steps of `fixed` + per_byte, a move, and a
+    host-tier prefill that took prefill_per_token a token more than a device-tier one."""
     stats = _measured(fixed, per_byte)
+    stats.prefill_done(1000, 0, 0.01)
+    stats.prefill_done(1000, 1000, 0.01 + 1000 * prefill_per_token)
     for _ in range(40):
         stats.device_step_done(device_rows, device_step, host_busy=False)
         stats.device_step_done(device_rows, busy_step or device_step, host_busy=True)
