@@ -13,6 +13,7 @@ import cpu_attention
 from cpu_attention import layer_loop
 from offload_engine import LLM, SamplingParams
 from offload_engine.engine.sequence import BlockLocation
+from offload_engine.layers import attention
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
@@ -69,13 +70,24 @@ def test_host_kernel_error_comes_out_of_generate(qwen3_dir, monkeypatch):
     llm.close()
 
 
-def test_host_write_error_during_prefill_comes_out_of_generate(qwen3_dir, monkeypatch):
+@pytest.mark.parametrize("path", ["executor", "direct"])
+def test_host_write_error_during_prefill_comes_out_of_generate(qwen3_dir, monkeypatch, path):
+    """Host-tier prefill K/V reach the host pool two ways (engine/host_block_writes.py): whole blocks written by
+    the device (or, on the CPU, by the engine's thread), the rest by the executor. A fault in either comes out."""
     llm = _engine(qwen3_dir)
-    store = cpu_attention.store_kvcache
-    monkeypatch.setattr(cpu_attention, "store_kvcache", _fails_on_call(store, 1, ValueError("injected store fault")))
+    runner = llm.engine.runner
+    if path == "executor":  # every host-tier token the executor's way
+        monkeypatch.setattr(runner.inputs, "direct_host_writes", False)
+        owner, name = cpu_attention, "store_kvcache"
+    else:
+        assert runner.inputs.direct_host_writes
+        owner, name = attention, "write_host_blocks"
+    original = getattr(owner, name)
+    monkeypatch.setattr(owner, name, _fails_on_call(original, 1, ValueError("injected store fault")))
     with pytest.raises(ValueError, match="injected store fault"):
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
-    monkeypatch.setattr(cpu_attention, "store_kvcache", store)
+    monkeypatch.setattr(owner, name, original)
+    monkeypatch.setattr(runner.inputs, "direct_host_writes", True)
     _assert_idle_and_usable(llm, qwen3_dir)
     llm.close()
 
