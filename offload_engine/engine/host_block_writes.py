@@ -3,11 +3,11 @@
 A host-tier prompt's K/V are computed on the device and belong in the host pool. They used to cross every layer
 to the pinned ring, where numba scattered them into the pool on the executor. The executor is the host lane's
 one worker, and a host step holds it from start to end. So once the ring was full (two 2k-token prompts at the
-0.6B shape), the prefill waited for the host step in flight and then for the scatter. A host-tier prompt's
-prefill took ~77 ms where a device-tier one took ~9, and that was the whole of auto's loss to gpu at the
-smallest budget of the prompt-heavy suite. There the 15 prompts admitted to the host tier added 1.16 s of
-prefill to a 9.4 s run, and decode alone was 5% faster than gpu's (0.6B, 64 x (2048 + 256) at 576 blocks,
-H100 host, 2026-11-23, benchmarks/results/nvidia-h100-80gb-hbm3/offload_full_b-qwen3-0.6b.json).
+0.6B shape), a prefill could wait for the host step in flight and then for the scatter. 15 host-tier prompts added
+1.16 s of prefill to a 9.4 s run (0.6B, 64 x (2048 + 256) at 576 blocks: 1.73 s against gpu's 0.57, ~77 ms a
+prompt against ~9). Written this way, 16 such prompts added 0.58 s (1.11 against 0.53; H100 host, 2026-11-23,
+benchmarks/results/nvidia-h100-80gb-hbm3/prefill_writes_b576_*.json). What is left is what placement's check now
+counts (LaneStats.prefill_done).
 
 Where the device can address the pinned pool (HostKVPool.device_stacked), the prefill writes the pool itself,
 as demotion does (engine/kv_demotion.py): the layer lays its tokens out as head-major host blocks on the device
