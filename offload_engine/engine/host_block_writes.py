@@ -42,9 +42,9 @@ def plan_host_block_writes(host_slots: np.ndarray, block_size: int) -> tuple[tup
     slots = host_slots[tokens]
     blocks = slots // block_size
     whole = np.unique(blocks[slots % block_size == 0])
-    direct = np.isin(blocks, whole)
     if not whole.size:
         return None, tokens
+    direct = np.isin(blocks, whole)
     rows = np.searchsorted(whole, blocks[direct]) * block_size + slots[direct] % block_size
     token_rows = np.full(whole.size * block_size, tokens[direct][0], dtype=np.int64)
     token_rows[rows] = tokens[direct]

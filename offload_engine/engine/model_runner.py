@@ -18,6 +18,7 @@ from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.deferred_tokens import DeferredTokens
 from offload_engine.engine.device_decode import DeviceLaneDecode
 from offload_engine.engine.graph_dispatch import GraphDispatcher, GraphMode
+from offload_engine.engine.host_pool_accesses import HostPoolAccesses
 from offload_engine.engine.memory_profile import (allocate_device_pool, layer_views, reserve_step_memory,
                                                   size_device_pool)
 from offload_engine.engine.move_staging import MoveStaging
@@ -49,11 +50,9 @@ class ModelRunner:
         self.inputs = self.host_inputs = None
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
-        self._promotion_reads = None  # CUDA event: the latest promotion's direct reads of host blocks are done
+        self.accesses = HostPoolAccesses()  # the device's direct reads and writes of the pinned host pool
         self.moves_stream = None  # CUDA: where promotions' direct reads run, beside the device lane's steps
-        self._demotion_writes = None  # CUDA event: the latest demotion's direct writes into host blocks are done
-        self._prefill_writes = None  # CUDA event: the latest prefill's direct writes into host blocks are done
-        self.prefill_writes_stream = None  # where those writes run, beside the prefill's layers
+        self.prefill_writes_stream = None  # where host-tier prefill's writes run, beside its layers
         self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
         self.link_seconds_per_byte = None  # CUDA with a host tier: the pinned copy's, for LaneStats' move cost
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
@@ -152,11 +151,10 @@ class ModelRunner:
         self.prefill_writes_stream = copy_stream
         # The host pool as the device addresses it: host-tier prefill writes whole host blocks there
         # (engine/host_block_writes.py). Off CUDA the pool itself; on CUDA where the pinned pool is mapped.
-        mapped = None
-        if host_pool:
-            stacked = self.host_pool.device_stacked() if self.device.type == "cuda" else None
-            mapped = [tuple(stacked[i]) for i in range(len(host_pool))] if stacked is not None else None
-            mapped = host_pool if self.device.type != "cuda" else mapped
+        mapped = host_pool if host_pool and self.device.type != "cuda" else None
+        stacked = self.host_pool.device_stacked() if host_pool and self.device.type == "cuda" else None
+        if stacked is not None:
+            mapped = [tuple(layer) for layer in stacked]
         for builder in (self.inputs, self.host_inputs):
             if builder is not None:
                 builder.direct_host_writes = mapped is not None
@@ -238,8 +236,8 @@ class ModelRunner:
             self.ring = None
         if self.model is not None:
             self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
-        self._wait_direct_writes()  # no device write may land in host memory once it is unpinned
-        self._wait_promotion_reads()  # nor a device read take place there
+        self.accesses.wait_writes()  # no device write may land in host memory once it is unpinned
+        self.accesses.wait_promotion_reads()  # nor a device read take place there
         if self.host_pool is not None:
             self.host_pool.close()  # unpinned before the memory can go
             self.host_pool = None
@@ -272,60 +270,32 @@ class ModelRunner:
         with torch.inference_mode(), torch.cuda.stream(self.moves_stream):
             # The new device blocks were freed by rows that steps queued on the device lane may still read.
             self.moves_stream.wait_stream(self.streams["device"])
-            self._after_prefill_writes()  # a host-tier prompt's KV may still be crossing to its host blocks
+            self.accesses.after_prefill_writes()  # a host-tier prompt's KV may still be crossing to its host blocks
             read_mapped(moves, mapped, self.device_stacked, self.cfg.block_size, self._upload)
-            self._promotion_reads = torch.cuda.Event()
-            self._promotion_reads.record()
-        return self._promotion_reads
-
-    def _after_promotion_reads(self) -> None:
-        """Makes the current stream wait for the promotions' reads queued so far (see promote)."""
-        if self._promotion_reads is not None:
-            torch.cuda.current_stream().wait_event(self._promotion_reads)
+            return self.accesses.record("promotion_reads")
 
     def demote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
         """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
         device has the copies queued: where the device writes the pinned pool directly, everything that reads
-        host blocks on the host waits for them first (_wait_direct_writes); otherwise the host writes finish
+        host blocks on the host waits for them first (HostPoolAccesses.wait_writes); otherwise the host writes finish
         on the executor, in front of every such reader (engine/kv_demotion.py)."""
         from offload_engine.engine.kv_demotion import copy_to_host, write_mapped
 
         mapped = self.host_pool.device_stacked()
         with torch.inference_mode(), self._lane_stream("device"):
-            self._after_promotion_reads()  # the host blocks written here may be ones a promotion still reads
-            self._after_prefill_writes()  # or ones an aborted prefill still writes
+            self.accesses.after_promotion_reads()  # the host blocks written here may be ones a promotion still reads
+            self.accesses.after_prefill_writes()  # or ones an aborted prefill still writes
             if mapped is None:
                 self._host_writes += copy_to_host(moves, self.device_stacked, self.host_pool.layers, self.executor,
                                                   self.cfg.block_size, self.move_staging)
                 return
             write_mapped(moves, self.device_stacked, mapped, self.cfg.block_size, self._upload)
-            self._demotion_writes = torch.cuda.Event()
-            self._demotion_writes.record()
-
-    def _wait_direct_writes(self) -> None:
-        """Blocks until the device's direct writes into host blocks (of demoted KV, and of host-tier prefill) have
-        landed. Called from both lanes' threads, so it only reads the events: clearing one here could drop one the
-        other thread just recorded."""
-        for writes in (self._demotion_writes, self._prefill_writes):
-            if writes is not None:
-                writes.synchronize()
-
-    def _after_prefill_writes(self) -> None:
-        """Makes the current stream wait for the prefills' direct writes into host blocks queued so far."""
-        if self._prefill_writes is not None:
-            torch.cuda.current_stream().wait_event(self._prefill_writes)
+            self.accesses.record("demotion_writes")
 
     def _record_prefill_writes(self) -> None:
         """After a prefill step with host-tier rows: marks where its direct writes into host blocks end."""
         if self.prefill_writes_stream is not None and self.inputs.direct_host_writes:
-            self._prefill_writes = torch.cuda.Event()
-            self._prefill_writes.record(self.prefill_writes_stream)
-
-    def _wait_promotion_reads(self) -> None:
-        """Blocks until the device's direct reads of host blocks for promotions have run."""
-        reads = self._promotion_reads
-        if reads is not None:
-            reads.synchronize()
+            self.accesses.record("prefill_writes", self.prefill_writes_stream)
 
     def _upload(self, array):
         """A move's index list on the device, through the pinned ring (PinnedRing.upload says why)."""
@@ -342,7 +312,7 @@ class ModelRunner:
         Nothing waits for these writes otherwise: every later reader of those host blocks runs on the executor
         after them (host decode, prefix staging, promotion), so the device lane never does."""
         if wait:
-            self._wait_direct_writes()
+            self.accesses.wait_writes()
         pending, self._host_writes = self._host_writes, []
         for write in pending:
             if wait or write.done():
@@ -355,8 +325,8 @@ class ModelRunner:
         a write that failed belongs to the aborted call, not to the next one."""
         if self.executor is not None:
             self.executor.drain()
-        self._wait_direct_writes()
-        self._wait_promotion_reads()
+        self.accesses.wait_writes()
+        self.accesses.wait_promotion_reads()
         self._host_writes = []
 
     def _lane_stream(self, lane: str):
@@ -378,17 +348,17 @@ class ModelRunner:
         if lane == "host":
             # The host step writes its new tokens into host blocks that a queued promotion may still read; the
             # other host writers (demotion, prefill) queue their copies behind the reads on the device (below).
-            self._wait_promotion_reads()
+            self.accesses.wait_promotion_reads()
         host_prefill = is_prefill and any(s.location == BlockLocation.CPU for s in seqs)
         if lane == "host" or host_prefill:
             # Host kernels read (and prefix staging gathers) host blocks that demoted KV, or an earlier prefill's,
             # may still be landing in.
-            self._wait_direct_writes()
+            self.accesses.wait_writes()
         with self._lane_stream(lane):
             if is_prefill:
                 # Prefix reuse may hand it device blocks a promotion is still filling, and its host-tier writes
                 # may go to host blocks one still reads.
-                self._after_promotion_reads()
+                self.accesses.after_promotion_reads()
             if is_prefill and len(seqs) == 1 and seqs[0].num_scheduled_tokens > self.cfg.max_num_batched_tokens:
                 logits = self._prefill_segment(seqs[0])  # Scheduler._take_chunk made it a segment
             elif not is_prefill and lane == "device":

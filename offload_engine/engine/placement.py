@@ -223,7 +223,8 @@ def _host_rate(row_tokens: list[int], stats: LaneStats) -> float | None:
 def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: int = 0) -> Iterator[Sequence]:
     """Host-tier sequences that the device pool can take now by "gpu"'s rule (their KV and the next token fit
     what is free), most tokens left first (the oldest first among equals), skipping those in flight or still in
-    prefill, and split sequences (whose parts stay). extra_room: blocks that are about to free up, to ask which sequences will fit then."""
+    prefill, and split sequences (whose parts stay). extra_room: blocks that are about to free up, to ask which
+    sequences will fit then."""
     gpu = blocks.pool(GPU)
     room = gpu.num_free + extra_room
     candidates = [seq for seq in running
