@@ -13,7 +13,8 @@
   - Which rows move: demotion takes the device rows nearest their end first (`demotion_order`), promotion the
     host rows furthest from it: the device lane keeps the rows that would otherwise decode alone at the end.
   - Promotion: when device room frees, host sequences move back up before new requests are admitted (as
-    "gpu" re-admits its preempted sequences first).
+    "gpu" re-admits its preempted sequences first), but a new request is held for them only for a while
+    (`_held_for_promotion`): host rows go on decoding while they wait, a held request does not.
   - The cost check: a waiting sequence joins the host lane only when that is predicted to add throughput
     (`host_lane_pays`) over the time it would stay there, its promotion back counted (engine/host_stay.py);
     otherwise it waits as under "gpu". Demotion has no check: its alternative is a
@@ -47,21 +48,44 @@ def can_ever_fit(seq: Sequence, policy: str, blocks: BlockManager) -> bool:
 
 def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[Sequence],
                 stats: LaneStats | None = None, waiting: Iterable[Sequence] = (),
-                kv_promotion: bool = True) -> BlockLocation | None:
+                kv_promotion: bool = True, step: int = 0) -> BlockLocation | None:
     """The tier to admit `seq` on now, or None if it has to wait for room. `waiting`: the requests queued
     behind it, which would join the host lane with it. With kv_promotion, host rows that will move up take
-    device room first (_awaiting_promotion)."""
+    device room first, for a while (_held_for_promotion; `step`: the engine's step count)."""
     if policy in ("gpu", "cpu"):
         tier = tiers_allowed(policy)[0]
         return tier if blocks.can_allocate(seq, tier) else None
     device_ever = blocks.pool(GPU).blocks_for(seq.budget) <= blocks.pool(GPU).num_blocks
-    if device_ever and blocks.can_allocate(seq, GPU) and not (kv_promotion and _awaiting_promotion(running, blocks)):
+    held = kv_promotion and _held_for_promotion(seq, running, blocks, step)
+    if device_ever and blocks.can_allocate(seq, GPU) and not held:
         return GPU
     if not blocks.can_allocate(seq, CPU):
         return None
     if not device_ever or _checked("admit", host_lane_pays(seq, running, blocks, stats, joining=waiting), stats):
         return CPU
     return None
+
+
+# The longest a request waits, in engine steps, so that host rows move up into device room before it (see below).
+PROMOTION_HOLD_STEPS = 64
+
+
+def _held_for_promotion(seq: Sequence, running: Iterable[Sequence], blocks: BlockManager, step: int) -> bool:
+    """Whether `seq`, whose prompt fits the device now, waits so that host rows move up first (_awaiting_promotion).
+    A hold that helps ends within a few dozen steps, when device rows end and a host row moves into their room; one
+    that has not is held by host rows that do not move up (each is always in a host step, and promotions() passes
+    over those), and it leaves device room idle while seq does not decode at all. So a request is held for at
+    most PROMOTION_HOLD_STEPS steps from its first hold, then admitted. Uncapped, the last 6 requests of a
+    decode-heavy batch waited ~1,500 steps and then decoded 1,024 tokens as a device lane of 6 rows: auto/gpu 0.84
+    (8B shape, 64 x (1024 + 1024) at 3,296 blocks, H100 host, 2026-11-23). In the replay
+    (benchmarks/simulate_placement.py, NOTES.md) that point went 0.877 -> 1.039 with the cap; caps of 8-48 steps
+    lost prompt-heavy points (0.914 for 0.6B, 64 x (2048 + 256) at 2,304 blocks; 0.95 for 8B, 32 x (4096 + 512) at
+    3,296) to demotions, and caps of 192 steps and more lost the decode-heavy 8B point again (0.948, 0.850)."""
+    if not _awaiting_promotion(running, blocks):
+        return False
+    if seq.held_since is None:
+        seq.held_since = step
+    return step - seq.held_since < PROMOTION_HOLD_STEPS
 
 
 def _awaiting_promotion(running: Iterable[Sequence], blocks: BlockManager) -> bool:

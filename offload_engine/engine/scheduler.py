@@ -41,6 +41,7 @@ class Scheduler:
         self.num_promotions = 0
         self.num_demotions = 0
         self.num_split_growths = 0  # split rows' device parts taking over host blocks
+        self.num_steps = 0  # device-lane schedules: the engine's steps, the clock admission holds are counted by
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -65,7 +66,7 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self._could_join(),
-                               self.kv_promotion)
+                               self.kv_promotion, self.num_steps)
             if tier is None:
                 break
             device_tokens = placement.split_device_tokens(seq, self.kv_placement, self.blocks, self.running,
@@ -92,6 +93,8 @@ class Scheduler:
 
     def schedule_decode(self, tier: BlockLocation, hold_back: frozenset[int] = frozenset()) -> list[Sequence]:
         """One token for every running, prefilled sequence on `tier` that is not in flight or held back."""
+        if tier == BlockLocation.GPU:
+            self.num_steps += 1
         if tier == BlockLocation.GPU and self.kv_placement == "auto":
             self._demote_for_room()
         batch = []

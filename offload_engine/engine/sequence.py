@@ -44,6 +44,7 @@ class Sequence:
         self.admitted_device_tokens = 0  # a split sequence's num_device_tokens at admission, for the output
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
         self.num_scheduled_tokens = 0  # tokens this step computes
+        self.held_since: int | None = None  # the engine step it was first held so host rows move up first
         self.num_hashed_blocks = 0  # leading full blocks already registered for prefix reuse
         self.finish_reason: str | None = None
         # In a host-lane decode step that has not come back yet, promoted with its KV still crossing (CUDA), or on

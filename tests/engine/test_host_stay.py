@@ -7,7 +7,7 @@ from offload_engine import SamplingParams
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.host_stay import promotion_delays, promotion_order
 from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.placement import choose_tier, promotions
+from offload_engine.engine.placement import PROMOTION_HOLD_STEPS, choose_tier, promotions
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
@@ -62,6 +62,21 @@ def test_a_new_request_waits_behind_a_host_row_that_waits_for_device_room():
     assert choose_tier(newcomer, "auto", blocks, running, LaneStats(1000)) is CPU  # the unmeasured lane is tried
     assert choose_tier(newcomer, "auto", blocks, [r for r in running if r is not demoted]) is GPU
     assert choose_tier(newcomer, "gpu", blocks, running) is GPU
+
+
+def test_a_request_is_held_behind_host_rows_for_a_bounded_number_of_steps():
+    """A host row that does not move up (always in a host step) must not keep a request whose prompt fits off the
+    device for good: it would decode alone at the end of the batch."""
+    blocks = BlockManager(100, 16, 1000, 16, False)
+    running = [_placed(blocks, GPU, 1200, 100), _placed(blocks, CPU, 1000, 200)]
+    newcomer = _seq(300, 100)
+    start = 1000
+    for step in range(start, start + PROMOTION_HOLD_STEPS):  # refused by the lane check (no stats): it waits
+        assert choose_tier(newcomer, "auto", blocks, running, step=step) is not GPU
+    assert newcomer.held_since == start
+    assert choose_tier(newcomer, "auto", blocks, running, step=start + PROMOTION_HOLD_STEPS) is GPU
+    # With promotions off (kv_promotion=False) there is nothing to wait for.
+    assert choose_tier(_seq(300, 100), "auto", blocks, running, kv_promotion=False, step=start) is GPU
 
 
 def test_move_cost_is_seeded_from_the_link_then_measured():
