@@ -10,7 +10,7 @@ DISABLED: set[str] = set()  # kernels left out one by one ("rms_norm", "norm_rop
 # --try-kernels). "kv_store": the decode step's device-tier K/V store inside the k rotation (kernels/rotary.py).
 # Measured once (H100 host, 2026-11-23, results/nvidia-h100-80gb-hbm3/kv_store_try.log): graph 0.976-0.999x of
 # without at batches 1-256 x contexts 512 / 2,048, never slower. It stays off until make test-gpu has run with it
-# on (test_fused_kv_store.py must then turn it off through DISABLED to compare).
+# on (test_fused_kv_store.py now turns it on and off through TRIED and DISABLED, whichever the default).
 UNMEASURED = frozenset({"kv_store"})
 TRIED: set[str] = set()
 

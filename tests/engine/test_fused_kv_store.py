@@ -38,7 +38,8 @@ PLACEMENTS = ["gpu", "auto"] if TEST_DEVICE == "cuda" else ["gpu"]
 def test_storing_kv_in_the_rotation_keeps_greedy_output_and_drops_the_layer_store(qwen3_dir, monkeypatch,
                                                                                   kv_placement):
     if TEST_DEVICE == "cpu":  # the rotation's kernel on CPU tensors; every other layer stays unfused
-        on = lambda x, kernel: kernel == "norm_rope" or (kernel == "kv_store" and kernel in fused.TRIED)
+        on = lambda x, kernel: kernel == "norm_rope" or (kernel == "kv_store" and kernel in fused.TRIED
+                                                         and kernel not in fused.DISABLED)
         monkeypatch.setattr(fused, "use_fused", on)
         monkeypatch.setattr(rotary, "use_fused", on)
     prompts = random_prompts((16, 17, 30), 256, seed=71)  # a block boundary, the next block, a longer one
@@ -46,7 +47,9 @@ def test_storing_kv_in_the_rotation_keeps_greedy_output_and_drops_the_layer_stor
     pools = {"num_gpu_blocks": 6, "num_cpu_blocks": 16, "cpu_block_size": 16} if kv_placement == "auto" else {}
     counts = {}
     for tried in (False, True):
+        # On and off whether or not it is on by default (fused.UNMEASURED).
         monkeypatch.setattr(fused, "TRIED", {"kv_store"} if tried else set())
+        monkeypatch.setattr(fused, "DISABLED", set() if tried else {"kv_store"})
         llm = LLM(qwen3_dir, device=TEST_DEVICE, attention_backend="triton", kv_placement=kv_placement,
                   enforce_eager=True, **pools)
         calls = _store_calls(llm)
