@@ -56,8 +56,9 @@ def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[
         tier = tiers_allowed(policy)[0]
         return tier if blocks.can_allocate(seq, tier) else None
     device_ever = blocks.pool(GPU).blocks_for(seq.budget) <= blocks.pool(GPU).num_blocks
-    held = kv_promotion and _held_for_promotion(seq, running, blocks, step)
-    if device_ever and blocks.can_allocate(seq, GPU) and not held:
+    # The hold's clock starts only once seq's prompt fits: waiting for room is not a hold.
+    if device_ever and blocks.can_allocate(seq, GPU) and not (kv_promotion and _held_for_promotion(seq, running,
+                                                                                                    blocks, step)):
         return GPU
     if not blocks.can_allocate(seq, CPU):
         return None

@@ -95,8 +95,8 @@ class Scheduler:
         """One token for every running, prefilled sequence on `tier` that is not in flight or held back."""
         if tier == BlockLocation.GPU:
             self.num_steps += 1
-        if tier == BlockLocation.GPU and self.kv_placement == "auto":
-            self._demote_for_room()
+            if self.kv_placement == "auto":
+                self._demote_for_room()
         batch = []
         for seq in list(self.running):
             if seq.location != tier or seq.in_flight or seq.in_prefill or seq.status != SequenceStatus.RUNNING:

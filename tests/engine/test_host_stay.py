@@ -71,10 +71,14 @@ def test_a_request_is_held_behind_host_rows_for_a_bounded_number_of_steps():
     running = [_placed(blocks, GPU, 1200, 100), _placed(blocks, CPU, 1000, 200)]
     newcomer = _seq(300, 100)
     start = 1000
-    for step in range(start, start + PROMOTION_HOLD_STEPS):  # refused by the lane check (no stats): it waits
+    for step in range(start, start + PROMOTION_HOLD_STEPS):  # held: offered the host tier (no stats) instead
         assert choose_tier(newcomer, "auto", blocks, running, step=step) is not GPU
     assert newcomer.held_since == start
     assert choose_tier(newcomer, "auto", blocks, running, step=start + PROMOTION_HOLD_STEPS) is GPU
+    # Waiting for room is not a hold: a request whose prompt does not fit yet starts no clock.
+    too_long = _seq(500, 10)  # 32 blocks, 25 free
+    assert choose_tier(too_long, "auto", blocks, running, kv_promotion=True, step=start) is not GPU
+    assert too_long.held_since is None
     # With promotions off (kv_promotion=False) there is nothing to wait for.
     assert choose_tier(_seq(300, 100), "auto", blocks, running, kv_promotion=False, step=start) is GPU
 
