@@ -67,10 +67,10 @@ case "${1:-check}" in
     step suite_dh_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names dh \
       --b-models qwen3-8b --out-dir "$OUT"
     ;;
-  kv-store)  # whether the K/V store inside the rotation's kernel pays (layers/fused.py UNMEASURED): the step grid
-    # with and without it, side by side in one process
-    step kv_store_try 500 python3 benchmarks/bench_engine_step.py --try-kernels kv_store --skip-hf --skip-a \
-      --batches 1,4,16,64,256 --contexts 512,2048 --out-dir "$OUT/kv_store_try"
+  kv-store)  # what the K/V store inside the rotation's kernel pays (on by default, layers/fused.py): the step grid
+    # with it and without it, side by side in one process
+    step kv_store_off 500 python3 benchmarks/bench_engine_step.py --unfused --unfused-kernels kv_store --skip-hf \
+      --skip-a --batches 1,4,16,64,256 --contexts 512,2048 --out-dir "$OUT/kv_store_off"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"

@@ -5,13 +5,14 @@ kernels themselves). Benchmarks switch it off to measure what fusing pays (bench
 read while a step runs, so CUDA graphs keep what it was when they were captured: set it before making an LLM.
 """
 ENABLED = True
-DISABLED: set[str] = set()  # kernels left out one by one ("rms_norm", "norm_rope", "silu_and_mul"): what each pays
+# Kernels left out one by one ("rms_norm", "norm_rope", "silu_and_mul", "kv_store"): what each pays.
+DISABLED: set[str] = set()
 # Built and exact, but not yet shown on the device to pay: off unless a benchmark tries them (bench_engine_step.py
-# --try-kernels). "kv_store": the decode step's device-tier K/V store inside the k rotation (kernels/rotary.py).
-# Measured once (H100 host, 2026-11-23, results/nvidia-h100-80gb-hbm3/kv_store_try.log): graph 0.976-0.999x of
-# without at batches 1-256 x contexts 512 / 2,048, never slower. It stays off until make test-gpu has run with it
-# on (test_fused_kv_store.py now turns it on and off through TRIED and DISABLED, whichever the default).
-UNMEASURED = frozenset({"kv_store"})
+# --try-kernels). Empty now. "kv_store" (the decode step's device-tier K/V store inside the k rotation,
+# kernels/rotary.py) was here until it was measured (H100 host, 2026-11-23, results/nvidia-h100-80gb-hbm3/
+# kv_store_try.log: the step's graph 0.976-0.999x of without at batches 1-256 x contexts 512 / 2,048, never
+# slower); DISABLED turns it off.
+UNMEASURED: frozenset[str] = frozenset()
 TRIED: set[str] = set()
 
 

@@ -1,5 +1,6 @@
-"""The decode step's device-tier K/V store inside the k rotation's kernel (layers/fused.py "kv_store", off until
-measured on the device): greedy output as transformers', and one store launch fewer per layer and decode step.
+"""The decode step's device-tier K/V store inside the k rotation's kernel (layers/fused.py "kv_store", on by
+default since it was measured on the device): greedy output as transformers', and one store launch fewer per
+layer and decode step.
 
 On CUDA the switch is simply tried; on the CPU the two kernels it needs run through Triton's interpreter (the
 layers use the fused kernels only on CUDA tensors otherwise)."""
