@@ -17,7 +17,7 @@ import numba
 import numpy as np
 import torch
 
-from cpu_attention.decode_kernel import ERRORS, decode_kernel, plan_chunk_blocks, plan_split_offsets
+from cpu_attention.decode_kernel import ERRORS, decode_kernel, plan_split_offsets, plan_work
 
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -61,10 +61,11 @@ def narrowed(out: np.ndarray, dtype: torch.dtype) -> np.ndarray:
 
 
 def split_plan(context_lens, block_size: int, num_kv_heads: int, num_threads: int | None = None) -> np.ndarray:
-    """Splits per sequence that the kernel will use (split-K): each split is one work item per kv head."""
+    """Splits per sequence that the kernel will use (split-K): each split is one work item per run of kv heads
+    (item_heads of them; see decode_kernel.plan_work)."""
     lens = np.ascontiguousarray(np.asarray(context_lens, dtype=np.int32))
     threads = numba.get_num_threads() if num_threads is None else num_threads
-    chunk_blocks = plan_chunk_blocks(lens, block_size, num_kv_heads, threads)
+    chunk_blocks, _ = plan_work(lens, block_size, num_kv_heads, threads)
     return np.diff(plan_split_offsets(lens, block_size, chunk_blocks))
 
 

@@ -1,8 +1,9 @@
 """Numba kernel: paged decode attention over a head-major host KV cache.
 
-Memory layout: k_cache / v_cache are [num_blocks, Hkv, block_size, D]. One (block, kv head) is one contiguous
-run of block_size * D values, so a work item streams whole blocks front to back; software prefetch runs
-PREFETCH_ROWS rows ahead (into L2) across the jumps between blocks that the hardware prefetcher cannot see.
+Memory layout: k_cache / v_cache are [num_blocks, Hkv, block_size, D]. One block's kv heads are one contiguous
+run of Hkv * block_size * D values, so a work item that takes a block's heads in order streams it front to
+back; software prefetch runs PREFETCH_ROWS rows ahead (into L2) across the jumps between blocks that the hardware
+prefetcher cannot see.
 
 Element types: float32 arrays are used as they are. numba has neither bfloat16 nor float16, so both arrive as
 16-bit patterns: bfloat16 as uint16, float16 as int16. The array's element type alone selects the widening to
@@ -14,13 +15,14 @@ lse)
   kv head h // (Hq / Hkv);
 - block_tables int32 [B, max_blocks], -1 padded; entries past a context are never read;
 - context_lens int32 [B]; a zero-length row gives out 0 and lse -inf;
-- chunk_blocks: blocks per split (<= 0: plan_chunk_blocks); num_threads: numba's thread count of the caller
+- chunk_blocks: blocks per split (<= 0: plan_work's); num_threads: numba's thread count of the caller
   (numba.get_num_threads() inside the kernel would make it uncacheable);
 - out float32 [B, Hq, D] and lse float32 [B, Hq] (natural log of sum exp(score)) are written;
 - returns 0, or an ERRORS code before any KV is read.
 
-Work split: an item is (sequence, split, kv head); a split is chunk_blocks consecutive blocks of one sequence,
-so one long sequence still feeds every core (split-K). Each item runs an online softmax block by block: scores
+Work split: an item is (sequence, split, run of kv heads); a split is chunk_blocks consecutive blocks of one
+sequence, so one long sequence still feeds every core (split-K), and the run is all of a block's kv heads where
+that leaves enough items (plan_work). Each (kv head) of an item runs an online softmax block by block: scores
 of the whole block first, then max/exp, then the V accumulation; the group's query heads share every K/V row
 they load (GQA). With bfloat16 caches on CPUs that have AVX-512 BF16, the scores come from `vdpbf16ps` on the
 bit patterns as stored (`_block_scores_bf16`): 32 exact products a instruction, nothing widened; otherwise each
@@ -170,18 +172,24 @@ def _prefer_wide_vectors(typingctx):
 
 # ---- AVX-512 BF16: dot products on bfloat16 bit patterns ------------------------------------------------------
 def _host_has_bf16_dot() -> bool:
-    """Whether this CPU has vdpbf16ps (AVX-512 BF16: Sapphire Rapids and later Xeons, Zen 4 and later).
-    OFFLOAD_ENGINE_BF16_DOT=0 turns the path off, for tests of the widening path on such CPUs: numba's cache
-    keys the compiled kernel on the CPU, not on this variable, so a process that sets it needs its own
-    NUMBA_CACHE_DIR."""
+    """Whether this CPU has vdpbf16ps (AVX-512 BF16: Sapphire Rapids and later Xeons, Zen 4 and later)."""
     import llvmlite.binding as llvm
 
-    if os.environ.get("OFFLOAD_ENGINE_BF16_DOT", "1") == "0":
-        return False
     return platform.machine().lower() in ("x86_64", "amd64") and bool(llvm.get_host_cpu_features().get("avx512bf16"))
 
 
-BF16_DOT = _host_has_bf16_dot()  # frozen into the compiled kernel, which numba caches per CPU model and features
+def _use_bf16_dot() -> bool:
+    """Whether bfloat16 caches take the vdpbf16ps path: wherever the CPU has it, unless OFFLOAD_ENGINE_BF16_DOT=0.
+
+    Inside the host lane (decode_layers, pinned pools) it measured +0-21% over widening on the H100 host and
+    more on Zen 4 (README). A same-run comparison of decode_kernel alone on the H100 host's Xeon later had
+    widening ahead by 8-20% at Hq 32 (benchmarks/NOTES.md, 2026-11-23, night): not yet checked in the lane, so the
+    default stays. numba's cache keys the compiled kernel on the CPU, not on this variable, so a process that sets
+    it needs its own NUMBA_CACHE_DIR."""
+    return os.environ.get("OFFLOAD_ENGINE_BF16_DOT", "1") != "0" and _host_has_bf16_dot()
+
+
+BF16_DOT = _use_bf16_dot()  # frozen into the compiled kernel, which numba caches per CPU model and features
 BF16_LANES = 32  # bfloat16 values per vdpbf16ps operand: head_dim must be a multiple of this for the bf16 path
 
 
@@ -376,16 +384,26 @@ _tile_4x4, _tile_2x4, _tile_1x4, _tile_1x1 = _bf16_tile(4, 4), _bf16_tile(2, 4),
 
 # ---- the split plan ----------------------------------------------------------------------------------------
 @njit(nogil=True, cache=True)
-def plan_chunk_blocks(context_lens, block_size, num_kv_heads, num_threads):
-    """Blocks per split: about ITEMS_PER_THREAD items per thread over all (sequence, head) pairs, and no
-    split shorter than MIN_ITEM_TOKENS (or one block)."""
+def plan_work(context_lens, block_size, num_kv_heads, num_threads):
+    """(chunk_blocks, item_heads): a work item is up to chunk_blocks consecutive blocks of one sequence (a split)
+    for item_heads consecutive kv heads. About ITEMS_PER_THREAD items a thread over all (block, kv head) pairs,
+    no split shorter than MIN_ITEM_TOKENS (or one block), and as many heads an item as that leaves room for.
+
+    Why whole heads: a block's kv heads lie side by side in the cache, so an item that takes them all streams
+    one run of num_kv_heads x block_size rows, where one head a block reads block_size rows and jumps. Measured
+    on the H100 host, 1 x 128k at Hq 32 on 14 threads: 9.09 -> 7.46 and 9.47 -> 7.87 ms, 7.55 -> 7.49 in a
+    third call (benchmarks/NOTES.md). A plain sum over the same pages read alike in either order, so the gain is
+    in how the kernel's prefetch and arithmetic overlap along the longer runs, not in the memory system alone."""
     total_blocks = 0
     for b in range(context_lens.shape[0]):
         total_blocks += (max(context_lens[b], 0) + block_size - 1) // block_size
     target_items = max(num_threads, 1) * ITEMS_PER_THREAD
-    per_item = (total_blocks * num_kv_heads + target_items - 1) // target_items
     min_blocks = (MIN_ITEM_TOKENS + block_size - 1) // block_size
-    return max(1, min_blocks, per_item)
+    per_item = max(1, min_blocks, (total_blocks * num_kv_heads + target_items - 1) // target_items)  # block-heads
+    heads = num_kv_heads
+    while heads > 1 and (num_kv_heads % heads != 0 or heads * min_blocks > per_item):
+        heads -= 1
+    return max(1, min_blocks, (per_item + heads - 1) // heads), heads
 
 
 @njit(nogil=True, cache=True)
@@ -679,43 +697,54 @@ def _block_values(vb, n, scores, acc, v_cache, next_block):
 
 # ---- one work item and the merge ---------------------------------------------------------------------------
 @njit(nogil=True, fastmath=FASTMATH)
-def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h, first, last, acc, running_max,
-                  running_sum, scores, block_max):
-    """Online softmax of one (sequence, kv head) over blocks first..last-1 of its table row. q [Hq, D] is the
-    sequence's query as given; wide_q [group, D] is the worker's scratch for its group's heads widened and
-    scaled, where the scores do not come from bfloat16 dot products."""
+def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h0, heads, first, last, accs, stats,
+                  scores):
+    """Online softmax of one sequence's kv heads h0..h0+heads-1 over blocks first..last-1 of its table row, in
+    the cache's order: block by block, and within a block head by head. q [Hq, D] is the sequence's query as
+    given; wide_q [Hq, D] is the worker's scratch for the heads' queries widened and scaled, where the scores do
+    not come from bfloat16 dot products. accs[i] [group, D] accumulates head h0 + i; stats is the worker's
+    scratch: row 0 the block max, rows 1 + 2i and 2 + 2i head h0 + i's running max and sum."""
     _prefer_wide_vectors()
-    group, dim = acc.shape
+    group, dim = accs.shape[1], accs.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     bf16 = _bf16_dot_applies(q, dim)
     if not bf16:
-        for g in range(group):
+        for g in range(h0 * group, (h0 + heads) * group):
             for d in range(dim):
-                wide_q[g, d] = widen(q[h * group + g, d]) * scale
-    running_max[:] = -np.inf
-    running_sum[:] = 0.0
-    acc[:] = 0.0
-    # Software prefetch runs PREFETCH_ROWS rows ahead (whole blocks), the first stretch in one burst.
+                wide_q[g, d] = widen(q[g, d]) * scale
+    for i in range(heads):
+        stats[1 + 2 * i, :group] = -np.inf
+        stats[2 + 2 * i, :group] = 0.0
+        accs[i] = 0.0
+    # Runs of block_size rows in reading order: run r is block first + r // heads, head h0 + r % heads. Software
+    # prefetch runs PREFETCH_ROWS rows ahead (whole runs), the first stretch in one burst.
+    runs = (last - first) * heads
     distance = (PREFETCH_ROWS + block_size - 1) // block_size
-    for j in range(first, min(first + distance, last)):
-        start = (table_row[j] * num_kv_heads + h) * block_size * dim
+    for r in range(min(distance, runs)):
+        start = (table_row[first + r // heads] * num_kv_heads + h0 + r % heads) * block_size * dim
         for c in range(0, block_size * dim, CACHE_LINE_BYTES // k_cache.itemsize):
             _prefetch(k_cache, start + c)
             _prefetch(v_cache, start + c)
-    for j in range(first, last):
-        block = table_row[j]
+    for r in range(runs):
+        j, i = first + r // heads, r % heads
+        h, block = h0 + i, table_row[j]
         n = min(block_size, context_len - j * block_size)
-        ahead = table_row[j + distance] if j + distance < last else block
-        next_block = (ahead * num_kv_heads + h) * block_size * dim
-        if bf16:
-            _scores_bf16(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_block, scale)
+        a = r + distance
+        if a < runs:
+            ahead = table_row[first + a // heads] * num_kv_heads + h0 + a % heads
         else:
-            _block_scores(wide_q, 0, group, k_cache[block, h], n, scores, block_max, k_cache, next_block)
-        _softmax_update(scores, n, block_max, running_max, running_sum, acc)
+            ahead = block * num_kv_heads + h
+        next_run = ahead * block_size * dim
+        block_max, running_max, running_sum = stats[0], stats[1 + 2 * i], stats[2 + 2 * i]
         if bf16:
-            _values_bf16(v_cache[block, h], n, scores, acc, v_cache, next_block)
+            _scores_bf16(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run, scale)
         else:
-            _block_values(v_cache[block, h], n, scores, acc, v_cache, next_block)
+            _block_scores(wide_q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run)
+        _softmax_update(scores, n, block_max, running_max, running_sum, accs[i])
+        if bf16:
+            _values_bf16(v_cache[block, h], n, scores, accs[i], v_cache, next_run)
+        else:
+            _block_values(v_cache[block, h], n, scores, accs[i], v_cache, next_run)
 
 
 @njit(nogil=True, fastmath=FASTMATH)
@@ -742,53 +771,59 @@ def _merge_splits(part_acc, part_max, part_sum, first, stop, stride, g, out_row)
 
 @njit(nogil=True, cache=True)
 def _work_plan(context_lens, block_size, num_kv_heads, group, dim, chunk_blocks, num_threads):
-    """The items of one kernel call and room for their partials: (chunk_blocks, offsets, split_seq, part_acc,
-    part_max, part_sum). split_seq[s] is the sequence split s belongs to; an item is (split, kv head)."""
+    """The items of one kernel call and room for their partials: (chunk_blocks, item_heads, num_items, offsets,
+    split_seq, part_acc, part_max, part_sum). split_seq[s] is the sequence split s belongs to; an item is (split,
+    run of item_heads kv heads); partial p is (split p // num_kv_heads, kv head p % num_kv_heads)."""
+    planned, item_heads = plan_work(context_lens, block_size, num_kv_heads, num_threads)
     if chunk_blocks <= 0:
-        chunk_blocks = plan_chunk_blocks(context_lens, block_size, num_kv_heads, num_threads)
+        chunk_blocks = planned
     batch = context_lens.shape[0]
     offsets = plan_split_offsets(context_lens, block_size, chunk_blocks)
     split_seq = np.empty(offsets[batch], np.int64)
     for b in range(batch):
         split_seq[offsets[b]:offsets[b + 1]] = b
-    num_items = offsets[batch] * num_kv_heads
-    part_acc = np.empty((num_items, group, dim), np.float32)
-    part_max = np.empty((num_items, group), np.float32)
-    part_sum = np.empty((num_items, group), np.float32)
-    return chunk_blocks, offsets, split_seq, part_acc, part_max, part_sum
+    num_parts = offsets[batch] * num_kv_heads
+    part_acc = np.empty((num_parts, group, dim), np.float32)
+    part_max = np.empty((num_parts, group), np.float32)
+    part_sum = np.empty((num_parts, group), np.float32)
+    num_items = offsets[batch] * (num_kv_heads // item_heads)
+    return chunk_blocks, item_heads, num_items, offsets, split_seq, part_acc, part_max, part_sum
 
 
 @njit(nogil=True, cache=True)
-def _worker_scratch(num_workers, block_size, group):
-    """Per worker: scores [group, block_size], then block max, running max and running sum, then an unused row,
-    rows padded to 64 bytes, so no two workers ever write into one cache line."""
+def _worker_scratch(num_workers, block_size, group, num_kv_heads):
+    """Per worker: scores [group, block_size], then the block max, then a running max and sum per kv head, then
+    an unused row, rows padded to 64 bytes, so no two workers ever write into one cache line."""
     stride = (max(block_size, group) + 15) // 16 * 16
-    return np.empty((num_workers, group + 4, stride), np.float32)
+    return np.empty((num_workers, group + 2 + 2 * num_kv_heads, stride), np.float32)
 
 
 @njit(nogil=True, cache=True)
-def _worker_queries(num_workers, group, dim):
-    """Per worker: its item's group of queries, widened and scaled [group, D] (C-contiguous, so the dot products
+def _worker_queries(num_workers, num_q_heads, dim):
+    """Per worker: its item's queries, widened and scaled [Hq, D] (C-contiguous, so the dot products
     vectorize)."""
-    return np.empty((num_workers, group, dim), np.float32)
+    return np.empty((num_workers, num_q_heads, dim), np.float32)
 
 
 @njit(nogil=True, fastmath=FASTMATH)
 def _attend_item(item, q, scale, wide_q, k_cache, v_cache, block_tables, context_lens, split_seq, offsets,
-                 chunk_blocks, part_acc, part_max, part_sum, scores, stats):
-    """Work item `item` = (split, kv head) into its partial: part_acc[item], part_max[item], part_sum[item].
-    wide_q, scores and stats are the worker's scratch (stats: block max, running max, running sum)."""
+                 chunk_blocks, item_heads, part_acc, part_max, part_sum, scores, stats):
+    """Work item `item` = (split, run of item_heads kv heads) into its partials p = split * Hkv + h: part_acc[p],
+    part_max[p], part_sum[p]. wide_q, scores and stats are the worker's scratch (see _attend_split)."""
     _prefer_wide_vectors()  # LLVM inlines the block loops here: the attribute must be on this function too
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    split, h = item // num_kv_heads, item % num_kv_heads
+    runs_per_split = num_kv_heads // item_heads
+    split, h0 = item // runs_per_split, item % runs_per_split * item_heads
     b = split_seq[split]
     last_block = (context_lens[b] + block_size - 1) // block_size
     first = min((split - offsets[b]) * chunk_blocks, last_block)
     last = min(first + chunk_blocks, last_block)
-    _attend_split(q[b], scale, wide_q, k_cache, v_cache, block_tables[b], context_lens[b], h, first, last,
-                  part_acc[item], stats[1], stats[2], scores, stats[0])
-    for g in range(part_max.shape[1]):
-        part_max[item, g], part_sum[item, g] = stats[1, g], stats[2, g]
+    base = split * num_kv_heads + h0
+    _attend_split(q[b], scale, wide_q, k_cache, v_cache, block_tables[b], context_lens[b], h0, item_heads, first,
+                  last, part_acc[base:base + item_heads], stats, scores)
+    for i in range(item_heads):
+        for g in range(part_max.shape[1]):
+            part_max[base + i, g], part_sum[base + i, g] = stats[1 + 2 * i, g], stats[2 + 2 * i, g]
 
 
 @njit(nogil=True, fastmath=FASTMATH)
@@ -811,19 +846,19 @@ def decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, chunk_
     error = _check_tables(block_tables, context_lens, num_blocks, block_size)
     if error:
         return error
-    chunk_blocks, offsets, split_seq, part_acc, part_max, part_sum = _work_plan(
+    chunk_blocks, item_heads, num_items, offsets, split_seq, part_acc, part_max, part_sum = _work_plan(
         context_lens, block_size, num_kv_heads, group, dim, chunk_blocks, num_threads)
-    num_items = part_acc.shape[0]
     tickets = np.zeros(1, np.int64)
     num_workers = min(num_threads, num_items)
-    scratch, queries = _worker_scratch(num_workers, block_size, group), _worker_queries(num_workers, group, dim)
+    scratch = _worker_scratch(num_workers, block_size, group, num_kv_heads)
+    queries = _worker_queries(num_workers, num_q_heads, dim)
     scale32 = np.float32(scale)
     for w in prange(num_workers):
-        scores, stats = scratch[w, :group], scratch[w, group:group + 3]  # whole rows keep them C-contiguous
+        scores, stats = scratch[w, :group], scratch[w, group:]  # whole rows keep them C-contiguous
         item = _count(tickets, 0)
         while item < num_items:
-            _attend_item(item, q, scale32, queries[w], k_cache, v_cache, block_tables, context_lens,
-                         split_seq, offsets, chunk_blocks, part_acc, part_max, part_sum, scores, stats)
+            _attend_item(item, q, scale32, queries[w], k_cache, v_cache, block_tables, context_lens, split_seq,
+                         offsets, chunk_blocks, item_heads, part_acc, part_max, part_sum, scores, stats)
             item = _count(tickets, 0)
     for row in prange(batch * num_q_heads):
         _merge_row(row, part_acc, part_max, part_sum, offsets, num_kv_heads, out, lse)
@@ -961,14 +996,15 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
                 return ABANDONED
             _store_release(gates[1], layer, 1)
         return error
-    chunk_blocks, offsets, split_seq, part_acc, part_max, part_sum = _work_plan(
+    chunk_blocks, item_heads, num_items, offsets, split_seq, part_acc, part_max, part_sum = _work_plan(
         context_lens, block_size, num_kv_heads, group, dim, 0, num_threads)
-    num_items, num_rows = part_acc.shape[0], batch * num_q_heads
+    num_rows = batch * num_q_heads
     counts = np.zeros((num_layers, 6 * _LINE), np.int64)
-    scratch, queries = _worker_scratch(num_threads, block_size, group), _worker_queries(num_threads, group, dim)
+    scratch = _worker_scratch(num_threads, block_size, group, num_kv_heads)
+    queries = _worker_queries(num_threads, num_q_heads, dim)
     scale32 = np.float32(scale)
     for w in prange(num_threads):
-        scores, stats = scratch[w, :group], scratch[w, group:group + 3]
+        scores, stats = scratch[w, :group], scratch[w, group:]
         for layer in range(num_layers):
             if not _wait_for(gates[0], layer, 1, flags):
                 break
@@ -991,8 +1027,8 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
             item = _count(c, _ATTEND + _TICKETS)
             while item < num_items:
                 _attend_item(item, q[layer], scale32, queries[w], k_cache, v_cache, block_tables,
-                             context_lens, split_seq, offsets, chunk_blocks, part_acc, part_max, part_sum, scores,
-                             stats)
+                             context_lens, split_seq, offsets, chunk_blocks, item_heads, part_acc, part_max,
+                             part_sum, scores, stats)
                 _count(c, _ATTEND + _DONE)
                 item = _count(c, _ATTEND + _TICKETS)
             if not _wait_for(c, _ATTEND + _DONE, num_items, flags):
