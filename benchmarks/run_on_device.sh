@@ -2,7 +2,7 @@
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b, suite-ac-8b,
-#   suite-dh-small, suite-dh-8b, kv-store, multi-gpu, multi-gpu-tp
+#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
@@ -71,6 +71,11 @@ case "${1:-check}" in
     # with it and without it, side by side in one process
     step kv_store_off 500 python3 benchmarks/bench_engine_step.py --unfused --unfused-kernels kv_store --skip-hf \
       --skip-a --batches 1,4,16,64,256 --contexts 512,2048 --out-dir "$OUT/kv_store_off"
+    ;;
+  host-kernel)  # the host kernel's paths side by side in one run: bf16 dot (default) and widening, twice each, on
+    # 1 x 128k, 32 x 2,048 and a whole 36-layer host-lane step of 32 x 2,048 (decode_layers)
+    step host_kernel_rate 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,widen,base_again \
+      --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_lane.json"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
