@@ -19,7 +19,6 @@ The plain parallel sum (the host read ceiling, all threads and one) is measured 
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -28,6 +27,9 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchmarks.bench_cpu_attention import median_seconds, read_ceiling_gbps  # noqa: E402
 
 KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "cpu_attention" / "decode_kernel.py"
 GB = 1e9
@@ -117,12 +119,8 @@ def time_kernel(kernel, q, k_cache, v_cache, tables, lens, threads, repeats):
     """Median seconds of one kernel call, cycling through the block tables."""
     out = np.empty(q.shape, np.float32)
     lse = np.empty(q.shape[:2], np.float32)
-    times = []
-    for i in range(repeats + 2):
-        start = time.perf_counter()
-        kernel(q, k_cache, v_cache, tables[i % len(tables)], lens, 0.088, 0, threads, out, lse)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times[2:])
+    calls = [lambda t=t: kernel(q, k_cache, v_cache, t, lens, 0.088, 0, threads, out, lse) for t in tables]
+    return median_seconds(calls, repeats)
 
 
 def time_lane(module, layers, batch, context, threads, rng) -> dict:
@@ -140,16 +138,15 @@ def time_lane(module, layers, batch, context, threads, rng) -> dict:
         q = random_bf16(layers * batch * q_heads * HEAD_DIM, rng).reshape(layers, batch, q_heads, HEAD_DIM)
         out = np.empty(q.shape, np.float32)
         lse = np.empty(q.shape[:3], np.float32)
-        seconds = []
-        for _ in range(4):
+
+        def step():
             gates = np.zeros((2, layers), np.int32)
-            gates[0] = 1
-            start = time.perf_counter()
+            gates[0] = 1  # every layer handed over: the step runs without a device
             error = module.decode_layers(gates, np.zeros(2, np.int64), q, new, new, pools, slots, tables, lens,
                                          batch, 0.088, threads, out, lse, np.zeros((layers + 1, 2), np.int64))
-            seconds.append(time.perf_counter() - start)
             assert error == 0, error
-        result[f"lane_hq{q_heads}_gbps"] = pools.nbytes / statistics.median(seconds[1:]) / GB
+
+        result[f"lane_hq{q_heads}_gbps"] = pools.nbytes / median_seconds([step], 3, warmup=1) / GB
     return result
 
 
@@ -238,41 +235,22 @@ def paged_read(threads: int, length: int, rotate_gb: float) -> dict:
     for count in (threads, 1):
         numba.set_num_threads(count)
         for item_heads, prefetch in ((1, False), (1, True), (KV_HEADS, False), (KV_HEADS, True)):
-            seconds = []
-            for i in range(7 if count > 1 else 3):
-                start = time.perf_counter()
-                sum_blocks(k_cache, v_cache, tables[i % len(tables)][0], -(-per_item // item_heads), item_heads,
-                           count, prefetch)
-                seconds.append(time.perf_counter() - start)
+            reads = [lambda t=t: sum_blocks(k_cache, v_cache, t[0], -(-per_item // item_heads), item_heads, count,
+                                            prefetch) for t in tables]
             label = (f"paged_read_{'all' if count > 1 else 'one'}{'_heads' if item_heads > 1 else ''}"
                      f"{'_prefetch' if prefetch else ''}_gbps")
-            result[label] = nbytes / statistics.median(seconds[1:]) / GB
+            result[label] = nbytes / median_seconds(reads, 6 if count > 1 else 2, warmup=1) / GB
     return result
 
 
 def ceilings(threads: int, gigabytes: float) -> dict:
-    """The plain parallel sum on all threads and on one (GB/s)."""
+    """The host read ceiling (bench_cpu_attention's parallel sum) on all threads and on one (GB/s)."""
     import numba
-    from numba import njit, prange
 
-    @njit(parallel=True, nogil=True, fastmath=True)
-    def sum_all(a):
-        total = np.float32(0.0)
-        for i in prange(a.shape[0]):
-            total += a[i]
-        return total
-
-    a = np.ones(int(gigabytes * GB) // 4, np.float32)
     result = {}
     for label, count in (("all", threads), ("one", 1)):
         numba.set_num_threads(count)
-        sum_all(a)
-        best = 0.0
-        for _ in range(3 if count > 1 else 1):
-            start = time.perf_counter()
-            sum_all(a)
-            best = max(best, a.nbytes / (time.perf_counter() - start) / GB)
-        result[f"read_{label}_gbps"] = best
+        result[f"read_{label}_gbps"] = read_ceiling_gbps(gigabytes, repeats=3)
     return result
 
 
