@@ -72,9 +72,9 @@ case "${1:-check}" in
     step kv_store_off 500 python3 benchmarks/bench_engine_step.py --unfused --unfused-kernels kv_store --skip-hf \
       --skip-a --batches 1,4,16,64,256 --contexts 512,2048 --out-dir "$OUT/kv_store_off"
     ;;
-  host-kernel)  # the host kernel's paths side by side in one run: bf16 dot (default) and widening, twice each, on
+  host-kernel)  # the host kernel's paths side by side in one run: widening (default, twice) and bf16 dot, on
     # 1 x 128k, 32 x 2,048 and a whole 36-layer host-lane step of 32 x 2,048 (decode_layers)
-    step host_kernel_rate 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,widen,base_again \
+    step host_kernel_rate 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,bf16_dot,base_again \
       --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_lane.json"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)

@@ -24,11 +24,12 @@ Work split: an item is (sequence, split, run of kv heads); a split is chunk_bloc
 sequence, so one long sequence still feeds every core (split-K), and the run is all of a block's kv heads where
 that leaves enough items (plan_work). Each (kv head) of an item runs an online softmax block by block: scores
 of the whole block first, then max/exp, then the V accumulation; the group's query heads share every K/V row
-they load (GQA). With bfloat16 caches on CPUs that have AVX-512 BF16, the scores come from `vdpbf16ps` on the
-bit patterns as stored (`_block_scores_bf16`): 32 exact products a instruction, nothing widened; otherwise each
-item widens its group's queries once and every K element as it is loaded. Workers take items from an atomic
-counter: numba's OpenMP layer schedules prange statically, and one core busy with the engine's main thread must
-not hold up the whole step. Partial results are merged per (sequence, query head) by log-sum-exp.
+they load (GQA). Each item widens its group's queries once and every K and V element as it is loaded. With
+OFFLOAD_ENGINE_BF16_DOT=1 on CPUs that have AVX-512 BF16, the products come from `vdpbf16ps` on the bit patterns
+as stored instead (`_block_scores_bf16`, `_block_values_bf16`): 32 exact products an instruction, nothing
+widened; it no longer measures faster (_use_bf16_dot). Workers take items from an atomic counter: numba's
+OpenMP layer schedules prange statically, and one core busy with the engine's main thread must not hold up the
+whole step. Partial results are merged per (sequence, query head) by log-sum-exp.
 
 Everything this kernel inlines lives in this file on purpose: numba's on-disk cache is keyed on the source
 file of the cached function alone, so a helper edited in another file would be served stale from the cache.
@@ -179,14 +180,15 @@ def _host_has_bf16_dot() -> bool:
 
 
 def _use_bf16_dot() -> bool:
-    """Whether bfloat16 caches take the vdpbf16ps path: wherever the CPU has it, unless OFFLOAD_ENGINE_BF16_DOT=0.
+    """Whether bfloat16 caches take the vdpbf16ps path: only where OFFLOAD_ENGINE_BF16_DOT=1 and the CPU has it.
 
-    Inside the host lane (decode_layers, pinned pools) it measured +0-21% over widening on the H100 host and
-    more on Zen 4 (README). A same-run comparison of decode_kernel alone on the H100 host's Xeon later had
-    widening ahead by 8-20% at Hq 32 (benchmarks/NOTES.md, 2026-11-23, night): not yet checked in the lane, so the
-    default stays. numba's cache keys the compiled kernel on the CPU, not on this variable, so a process that sets
-    it needs its own NUMBA_CACHE_DIR."""
-    return os.environ.get("OFFLOAD_ENGINE_BF16_DOT", "1") != "0" and _host_has_bf16_dot()
+    Widening is the default. Since an item takes all of a block's kv heads (41aa389), widening led inside the host
+    lane, the engine's path, in same-run comparisons on three calls on the H100 host's Xeon (decode_layers,
+    36 x 32 x 2,048, Hq 32, of the read ceiling: 0.88 against 0.73 / 0.68, 0.71 against 0.65 / 0.49, 0.83 against
+    0.71, where widening's repeat read 0.68). decode_kernel alone over 1 x 128k is a draw within the hosts' noise (benchmarks/
+    NOTES.md, 2026-11-23). vdpbf16ps had led by 0-21% in the lane with one kv head an item. numba's cache keys the
+    compiled kernel on the CPU, not on this variable, so a process that sets it needs its own NUMBA_CACHE_DIR."""
+    return os.environ.get("OFFLOAD_ENGINE_BF16_DOT", "0") == "1" and _host_has_bf16_dot()
 
 
 BF16_DOT = _use_bf16_dot()  # frozen into the compiled kernel, which numba caches per CPU model and features

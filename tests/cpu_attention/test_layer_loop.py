@@ -19,7 +19,8 @@ from cpu_attention.layer_loop import LayerLoop, check_step
 from tests.cpu_attention.test_decode import LSE_ATOL, TOLERANCE
 from tests.reference import paged_decode_reference, random_paged_kv, relative_error
 
-# head_dim 32: bfloat16 caches take the kernel's vdpbf16ps path on CPUs that have it (a multiple of 32 only).
+# head_dim 32: with OFFLOAD_ENGINE_BF16_DOT=1, bfloat16 caches take the kernel's vdpbf16ps path on CPUs that
+# have it (a multiple of 32 only).
 NUM_LAYERS, KV_HEADS, GROUP, HEAD_DIM, BLOCK = 3, 2, 2, 32, 8
 LENS = [1, 8, 9, 23, 0]  # a one-token row, block boundaries, and a padding row (no context, no slot)
 
