@@ -256,8 +256,8 @@ for group, head_dim, block_size, lens in ((4, 128, 64, [200, 64, 1, 0]), (2, 64,
 @pytest.mark.parametrize("dot", ["0", "1"], ids=["widening", "bf16_dot"])
 def test_bfloat16_paths_match(dot, tmp_path):
     """Both paths for bfloat16 caches on any CPU that can run them: widening (the default, and the only path without
-    AVX-512 BF16) and vdpbf16ps (OFFLOAD_ENGINE_BF16_DOT=1). Each in a process of its own with a numba cache of its own (the switch is not part
-    of numba's cache key)."""
+    AVX-512 BF16) and vdpbf16ps (OFFLOAD_ENGINE_BF16_DOT=1). Each in a process of its own with a numba cache of its
+    own (the switch is not part of numba's cache key)."""
     from cpu_attention.decode_kernel import _host_has_bf16_dot
 
     if dot == "1" and not _host_has_bf16_dot():
