@@ -2,7 +2,7 @@
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b, suite-ac-8b,
-#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, multi-gpu, multi-gpu-tp
+#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, amx-probe, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
@@ -76,6 +76,10 @@ case "${1:-check}" in
     # 1 x 128k, 32 x 2,048 and a whole 36-layer host-lane step of 32 x 2,048 (decode_layers)
     step host_kernel_rate 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,bf16_dot,base_again \
       --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_lane.json"
+    ;;
+  amx-probe)  # issue 11: q.K and P x V on AMX tiles against decode_kernel, one process (benchmarks/probe_amx_attention.py)
+    grep -o 'amx[a-z_0-9]*' /proc/cpuinfo | sort -u > "$OUT/amx_flags.txt"; cat "$OUT/amx_flags.txt"
+    step amx_probe 500 python3 benchmarks/probe_amx_attention.py --batches 32x2048,8x16384 --out "$OUT/amx_probe.json"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
