@@ -77,7 +77,7 @@ case "${1:-check}" in
     step host_kernel_rate 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,bf16_dot,base_again \
       --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_lane.json"
     ;;
-  amx-probe)  # issue 11: q.K and P x V on AMX tiles against decode_kernel, one process (benchmarks/probe_amx_attention.py)
+  amx-probe)  # issue 11: q.K and P x V on AMX tiles against decode_kernel, in one process
     grep -o 'amx[a-z_0-9]*' /proc/cpuinfo | sort -u > "$OUT/amx_flags.txt"; cat "$OUT/amx_flags.txt"
     step amx_probe 500 python3 benchmarks/probe_amx_attention.py --batches 32x2048,8x16384 --out "$OUT/amx_probe.json"
     ;;
