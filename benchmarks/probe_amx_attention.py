@@ -35,8 +35,9 @@ from numba.extending import intrinsic
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_cpu_attention import read_ceiling_gbps  # noqa: E402
 from benchmarks.profile_host_kernel_rate import paged_inputs, time_kernel  # noqa: E402
-from cpu_attention.decode_kernel import (_count, _exp_nonpositive, _prefer_wide_vectors, _prefetch,  # noqa: E402
-                                        decode_kernel, plan_work)
+from cpu_attention.decode_kernel import (_count, _exp_nonpositive, _merge_splits,  # noqa: E402
+                                        _prefer_wide_vectors, _prefetch, decode_kernel, plan_work)
+from tests.reference import attention_reference  # noqa: E402
 
 EMULATE = os.environ.get("AMX_PROBE_EMULATE") == "1"
 BLOCK, DIM = 64, 128
@@ -60,7 +61,9 @@ class _Tile(ir.Type):
 _TILE, _I16, _I64, _BYTES = _Tile(), ir.IntType(16), ir.IntType(64), ir.IntType(8).as_pointer()
 
 
-def _tile_functions(builder):
+def _tile_codegen_setup(context, builder, signature, args):
+    """What both tiles' codegen starts from: the four AMX intrinsics (load, zero, dot, store), the three address
+    arguments as intp, and at(base, offset), a byte pointer."""
     module = builder.module
     load = cgutils.get_or_insert_function(module, ir.FunctionType(_TILE, [_I16, _I16, _BYTES, _I64]),
                                           "llvm.x86.tileloadd64.internal")
@@ -69,7 +72,9 @@ def _tile_functions(builder):
                                          "llvm.x86.tdpbf16ps.internal")
     store = cgutils.get_or_insert_function(module, ir.FunctionType(ir.VoidType(), [_I16, _I16, _BYTES, _I64, _TILE]),
                                            "llvm.x86.tilestored64.internal")
-    return load, zero, dot, store
+    addresses = [context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args)]
+    at = lambda base, offset: builder.inttoptr(builder.add(base, _I64(offset)), _BYTES)
+    return (load, zero, dot, store), addresses, at
 
 
 def _scores_tile(group):
@@ -80,9 +85,8 @@ def _scores_tile(group):
     @intrinsic
     def tile(typingctx, k, q_pairs, s):
         def codegen(context, builder, signature, args):
-            load, zero, dot, store = _tile_functions(builder)
-            k_addr, q_addr, s_addr = (context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args))
-            at = lambda base, offset: builder.inttoptr(builder.add(base, _I64(offset)), _BYTES)
+            (load, zero, dot, store), (k_addr, q_addr, s_addr), at = _tile_codegen_setup(context, builder,
+                                                                                        signature, args)
             width = _I16(4 * group)  # bytes of a score row, and of a q_pairs row
             for t in range(4):
                 sums = builder.call(zero, [_I16(16), width])
@@ -109,9 +113,8 @@ def _values_tile(group):
     @intrinsic
     def tile(typingctx, acc, p, v_pairs):
         def codegen(context, builder, signature, args):
-            load, zero, dot, store = _tile_functions(builder)
-            a_addr, p_addr, v_addr = (context.cast(builder, a, t, types.intp) for a, t in zip(args, signature.args))
-            at = lambda base, offset: builder.inttoptr(builder.add(base, _I64(offset)), _BYTES)
+            (load, _, dot, store), (a_addr, p_addr, v_addr), at = _tile_codegen_setup(context, builder, signature,
+                                                                                     args)
             rows = _I16(group)
             for e in range(8):
                 sums = builder.call(load, [rows, _I16(64), at(a_addr, 64 * e), _I64(4 * DIM)])
@@ -261,22 +264,15 @@ def _build(group):
                 attend(q_pairs[w], np.float32(scale), k_cache, v_cache, block_tables[b], first, last,
                        part_acc[item], part_max[item], part_sum[item], s[w], p[w], v_pairs32[w])
                 item = _count(tickets, 0)
+        # Partial item * Hkv + h, as decode_kernel lays its partials out: its own merge serves.
+        parts = num_items * num_kv_heads
+        flat_acc = part_acc.reshape((parts, group, DIM))
+        flat_max, flat_sum = part_max.reshape((parts, group)), part_sum.reshape((parts, group))
         for row in prange(batch * num_q_heads):
             b, hq = row // num_q_heads, row % num_q_heads
             h, g = hq // group, hq % group
-            top = -np.inf
-            for i in range(splits[b], splits[b + 1]):
-                top = max(top, part_max[i, h, g])
-            total = 0.0
-            out[b, hq] = 0.0
-            for i in range(splits[b], splits[b + 1]):
-                weight = math.exp(part_max[i, h, g] - top)
-                total += weight * part_sum[i, h, g]
-                for d in range(DIM):
-                    out[b, hq, d] += weight * part_acc[i, h, g, d]
-            for d in range(DIM):
-                out[b, hq, d] /= total
-            lse[b, hq] = top + math.log(total)
+            lse[b, hq] = _merge_splits(flat_acc, flat_max, flat_sum, splits[b] * num_kv_heads + h,
+                                       splits[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
         return 0
 
     return amx_decode
@@ -302,22 +298,18 @@ def request_amx() -> bool:
 
 
 def reference(q, k_cache, v_cache, tables, lens, scale):
-    """float64 attention over the gathered context: out [B, Hq, D], lse [B, Hq]."""
-    widen = lambda bits: (bits.astype(np.uint32) << 16).view(np.float32).astype(np.float64)
-    batch, num_q_heads, _ = q.shape
-    group = num_q_heads // k_cache.shape[1]
-    out, lse = np.empty(q.shape), np.empty(q.shape[:2])
-    for b in range(batch):
+    """tests.reference's float64 attention over each sequence's gathered context: out [B, Hq, D], lse [B, Hq]."""
+    import torch
+
+    widen = lambda bits: torch.from_numpy((bits.astype(np.uint32) << 16).view(np.float32))
+    outs, lses = [], []
+    for b in range(q.shape[0]):
         blocks = tables[b, :lens[b] // BLOCK]
-        keys, values = widen(k_cache[blocks]), widen(v_cache[blocks])  # [n, Hkv, 64, D]
-        for hq in range(num_q_heads):
-            k = keys[:, hq // group].reshape(-1, DIM)
-            v = values[:, hq // group].reshape(-1, DIM)
-            x = k @ widen(q[b, hq]) * scale
-            top = x.max()
-            w = np.exp(x - top)
-            out[b, hq], lse[b, hq] = w @ v / w.sum(), top + math.log(w.sum())
-    return out, lse
+        gather = lambda cache: widen(cache[blocks]).transpose(1, 2).reshape(-1, cache.shape[1], DIM)  # [L, Hkv, D]
+        out, lse = attention_reference(widen(q[b:b + 1]), gather(k_cache), gather(v_cache), scale)
+        outs.append(out[0].numpy())
+        lses.append(lse[0].numpy())
+    return np.stack(outs), np.stack(lses)
 
 
 def check(threads: int) -> dict:
