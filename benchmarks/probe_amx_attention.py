@@ -8,7 +8,8 @@ both products on tiles, over the same head-major paged cache, and times it besid
   q.K   A = 16 keys x 32 dims, loaded as they lie in the cache; B = the group's queries, transposed into pairs of
         dims once per item ("VNNI" order); C = 16 keys x group scores.
   P x V A = the group's probabilities, rounded to bfloat16 (as the vdpbf16ps path and flash-attention round P);
-        B = 32 V rows x 16 dims, two rows interleaved value by value (staged per block); C = the accumulator.
+        B = 32 V rows x 16 dims, two rows interleaved value by value (staged per block as [32 row pairs, 128
+        dims] uint32; a tile loads its 16 x 16 window with a 512-byte stride); C = the accumulator.
 
 Scope: bfloat16, block size 64, head dim 128, contexts a multiple of 64, group 1-16. A probe, not the product:
 if it pays, the tiles move into cpu_attention/decode_kernel.py. AMX_PROBE_EMULATE=1 replaces the three tile
@@ -20,7 +21,6 @@ CPU CI, a Zen 3 without AMX, checked them). Linux grants AMX per process on requ
 import argparse
 import ctypes
 import json
-import math
 import os
 import sys
 import time
@@ -77,10 +77,11 @@ def _tile_codegen_setup(context, builder, signature, args):
     return (load, zero, dot, store), addresses, at
 
 
-def _scores_tile(group):
+def _scores_tile(group, chains):
     """tile(k, q_pairs, s): s[t, g] = k[t] . q[g] for one block-head: k [64, 128] bf16 (row stride 256 bytes),
     q_pairs [4, 16, 2 * group] bf16 (dims 32c + 2r, 32c + 2r + 1 of query g at [c, r, 2g], [c, r, 2g + 1]),
-    s [64, group] float32. Four 16-key tiles, each four 32-dim steps."""
+    s [64, group] float32. Four 16-key tiles, each four 32-dim steps; `chains` of them at a time, so that many
+    independent dot chains overlap (tdpbf16ps has a long latency) and share each queries tile."""
 
     @intrinsic
     def tile(typingctx, k, q_pairs, s):
@@ -88,14 +89,17 @@ def _scores_tile(group):
             (load, zero, dot, store), (k_addr, q_addr, s_addr), at = _tile_codegen_setup(context, builder,
                                                                                         signature, args)
             width = _I16(4 * group)  # bytes of a score row, and of a q_pairs row
-            for t in range(4):
-                sums = builder.call(zero, [_I16(16), width])
+            for first in range(0, 4, chains):
+                tiles = range(first, first + chains)
+                sums = {t: builder.call(zero, [_I16(16), width]) for t in tiles}
                 for c in range(4):
-                    key_rows = at(k_addr, t * 16 * 2 * DIM + 64 * c)
-                    keys = builder.call(load, [_I16(16), _I16(64), key_rows, _I64(2 * DIM)])
                     queries = builder.call(load, [_I16(16), width, at(q_addr, c * 16 * 4 * group), _I64(4 * group)])
-                    sums = builder.call(dot, [_I16(16), width, _I16(64), sums, keys, queries])
-                builder.call(store, [_I16(16), width, at(s_addr, t * 16 * 4 * group), _I64(4 * group), sums])
+                    for t in tiles:
+                        key_rows = at(k_addr, t * 16 * 2 * DIM + 64 * c)
+                        keys = builder.call(load, [_I16(16), _I16(64), key_rows, _I64(2 * DIM)])
+                        sums[t] = builder.call(dot, [_I16(16), width, _I16(64), sums[t], keys, queries])
+                for t in tiles:
+                    builder.call(store, [_I16(16), width, at(s_addr, t * 16 * 4 * group), _I64(4 * group), sums[t]])
             return context.get_dummy_value()
 
         if not all(isinstance(a, types.Integer) for a in (k, q_pairs, s)):
@@ -105,10 +109,10 @@ def _scores_tile(group):
     return tile
 
 
-def _values_tile(group):
+def _values_tile(group, chains):
     """tile(acc, p, v_pairs): acc[g] += sum_t p[g, t] * v[t] for one block-head: acc [group, 128] float32,
-    p [group, 64] bf16, v_pairs [2, 8, 16, 32] bf16 (rows 32h + 2r and 32h + 2r + 1, dims 16e..16e+15, value by
-    value at [h, e, r]). Eight 16-dim accumulator tiles, each two 32-row steps."""
+    p [group, 64] bf16, v_pairs [32, 128] uint32 (row pair i: v[2i, d] low, v[2i + 1, d] high). Eight 16-dim
+    accumulator tiles, each two 32-row steps; `chains` accumulators at a time share each weights tile."""
 
     @intrinsic
     def tile(typingctx, acc, p, v_pairs):
@@ -116,13 +120,17 @@ def _values_tile(group):
             (load, _, dot, store), (a_addr, p_addr, v_addr), at = _tile_codegen_setup(context, builder, signature,
                                                                                      args)
             rows = _I16(group)
-            for e in range(8):
-                sums = builder.call(load, [rows, _I16(64), at(a_addr, 64 * e), _I64(4 * DIM)])
+            for first in range(0, 8, chains):
+                tiles = range(first, first + chains)
+                sums = {e: builder.call(load, [rows, _I16(64), at(a_addr, 64 * e), _I64(4 * DIM)]) for e in tiles}
                 for h in range(2):
                     weights = builder.call(load, [rows, _I16(64), at(p_addr, 64 * h), _I64(2 * BLOCK)])
-                    values = builder.call(load, [_I16(16), _I16(64), at(v_addr, (h * 8 + e) * 1024), _I64(64)])
-                    sums = builder.call(dot, [rows, _I16(64), _I16(64), sums, weights, values])
-                builder.call(store, [rows, _I16(64), at(a_addr, 64 * e), _I64(4 * DIM), sums])
+                    for e in tiles:
+                        values = builder.call(load, [_I16(16), _I16(64), at(v_addr, h * 16 * 4 * DIM + 64 * e),
+                                                     _I64(4 * DIM)])
+                        sums[e] = builder.call(dot, [rows, _I16(64), _I16(64), sums[e], weights, values])
+                for e in tiles:
+                    builder.call(store, [rows, _I16(64), at(a_addr, 64 * e), _I64(4 * DIM), sums[e]])
             return context.get_dummy_value()
 
         if not all(isinstance(a, types.Integer) for a in (acc, p, v_pairs)):
@@ -144,24 +152,34 @@ def _round_bf16(x):
     return np.uint16((bits + np.uint32(0x7FFF) + ((bits >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
 
 
-@njit(nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
+@njit(nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"}, inline="always")
 def _stage_values(vb, v_pairs32):
-    """v_pairs (as uint32 [2, 8, 16, 16]): rows 32h + 2r (low half) and 32h + 2r + 1 (high half), dim 16e + j."""
+    """v_pairs32 [32, 128]: row pair i holds v[2i, d] in the low half and v[2i + 1, d] in the high half.
+
+    Whole rows, one pair at a time: LLVM vectorizes this at ~0.3 us a block-head on a Zen 3. The tile-ordered
+    layout ([2, 8, 16, 16], one tile's window contiguous) took ~1.9 us, more than both products together."""
     _prefer_wide_vectors()
-    for h in range(2):
-        for r in range(16):
-            t = 32 * h + 2 * r
-            for e in range(8):
-                for j in range(16):
-                    d = 16 * e + j
-                    v_pairs32[h, e, r, j] = np.uint32(vb[t, d]) | (np.uint32(vb[t + 1, d]) << np.uint32(16))
+    for i in range(BLOCK // 2):
+        low, high, pairs = vb[2 * i], vb[2 * i + 1], v_pairs32[i]
+        for d in range(DIM):
+            pairs[d] = np.uint32(low[d]) | (np.uint32(high[d]) << np.uint32(16))
 
 
-def _build(group):
+PIECES = ("prefetch", "scores", "softmax", "stage", "values")
+
+
+def _build(group, chains, leave_out=()):
     """The probe's kernel for one group size. Each tile's shape is fixed in the instruction stream, and LLVM gives
     every tile register one shape for a whole function, so one function over all group sizes ran out of tile
-    registers: each group gets functions of its own."""
-    scores_tile, values_tile = _scores_tile(group), _values_tile(group)
+    registers: each group gets functions of its own.
+
+    Everything in the block loop is inlined and free of reference counts (_nrt=False): LLVM reloads the tile
+    configuration (ldtilecfg) after every call, and the first run on a Sapphire Rapids host made three calls a
+    block-head (NRT_decref, libm's expf, the softmax). Two dot chains at a time in each tile: four in both needed
+    11 tile registers of the 8, since a register keeps one shape for the whole function."""
+    scores_tile, values_tile = _scores_tile(group, chains), _values_tile(group, chains)
+    # What --profile leaves out, one piece at a time (closure constants: numba drops the dead branches).
+    do_prefetch, do_scores, do_softmax, do_stage, do_values = (piece not in leave_out for piece in PIECES)
 
     @njit(nogil=True)
     def block_scores(kb, q_pairs, s):
@@ -180,21 +198,46 @@ def _build(group):
     def block_values(acc, p, v_pairs):
         if EMULATE:
             for g in range(group):
-                for h in range(2):
-                    for e in range(8):
-                        for r in range(16):
-                            for j in range(16):
-                                acc[g, 16 * e + j] += _bf16(p[g, 32 * h + 2 * r]) * _bf16(v_pairs[h, e, r, 2 * j]) \
-                                    + _bf16(p[g, 32 * h + 2 * r + 1]) * _bf16(v_pairs[h, e, r, 2 * j + 1])
+                for i in range(BLOCK // 2):
+                    for d in range(DIM):
+                        acc[g, d] += _bf16(p[g, 2 * i]) * _bf16(v_pairs[i, 2 * d]) \
+                            + _bf16(p[g, 2 * i + 1]) * _bf16(v_pairs[i, 2 * d + 1])
         else:
             values_tile(acc.ctypes.data, p.ctypes.data, v_pairs.ctypes.data)
 
-    @njit(nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"})
-    def attend(q_pairs, scale, k_cache, v_cache, table, first, last, acc, run_max, run_sum, s, p, v_pairs32):
+    @njit(nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"}, inline="always")
+    def _softmax_block(s, scale, st, p, acc, run_max, run_sum):
+        """One block-head's online-softmax step. The tile's scores [key, query] are turned to [query, key] (st)
+        first, so every loop below runs along keys at full vector width; strided along s they were scalar,
+        ~1.2 us a block-head at group 4 on a Zen 3 against ~0.4 us this way."""
+        _prefer_wide_vectors()
+        for t in range(BLOCK):
+            for g in range(group):
+                st[g, t] = s[t, g] * scale
+        for g in range(group):
+            scores, probs = st[g], p[g]
+            top = run_max[g]
+            for t in range(BLOCK):
+                top = max(top, scores[t])
+            alpha = _exp_nonpositive(run_max[g] - top)  # no libm call: a call makes LLVM reload the tile config
+            total = np.float32(0.0)
+            for t in range(BLOCK):
+                x = _exp_nonpositive(scores[t] - top)
+                total += x
+                probs[t] = _round_bf16(x)
+            if alpha != 1.0:
+                row = acc[g]
+                for d in range(DIM):
+                    row[d] *= alpha
+            run_sum[g] = run_sum[g] * alpha + total
+            run_max[g] = top
+
+    @njit(nogil=True, fastmath={"reassoc", "contract", "nsz", "arcp"}, _nrt=False)
+    def attend(q_pairs, scale, k_cache, v_cache, table, first, last, acc, run_max, run_sum, s, st, p, v_pairs32):
         """Online softmax of blocks first..last-1 of one sequence, all kv heads, block by block and head by head
         (the cache's order). acc [Hkv, group, D], run_max/run_sum [Hkv, group]."""
         num_kv_heads = k_cache.shape[1]
-        v_pairs = v_pairs32.view(np.uint16).reshape((2, 8, 16, 32))
+        v_pairs = v_pairs32.view(np.uint16).reshape((BLOCK // 2, 2 * DIM))
         run_max[:] = -np.inf
         run_sum[:] = 0.0
         acc[:] = 0.0
@@ -204,27 +247,18 @@ def _build(group):
             for h in range(num_kv_heads):
                 ahead = (table[j + 1] if h == num_kv_heads - 1 and j + 1 < last else block) * num_kv_heads \
                     + (h + 1) % num_kv_heads
-                for c in range(0, BLOCK * DIM, line):
-                    _prefetch(k_cache, ahead * BLOCK * DIM + c)
-                    _prefetch(v_cache, ahead * BLOCK * DIM + c)
-                block_scores(k_cache[block, h], q_pairs[h], s)
-                for g in range(group):
-                    top = run_max[h, g]
-                    for t in range(BLOCK):
-                        top = max(top, s[t, g] * scale)
-                    alpha = np.float32(math.exp(run_max[h, g] - top))
-                    total = np.float32(0.0)
-                    for t in range(BLOCK):
-                        x = _exp_nonpositive(s[t, g] * scale - top)
-                        total += x
-                        p[g, t] = _round_bf16(x)
-                    if alpha != 1.0:
-                        for d in range(DIM):
-                            acc[h, g, d] *= alpha
-                    run_sum[h, g] = run_sum[h, g] * alpha + total
-                    run_max[h, g] = top
-                _stage_values(v_cache[block, h], v_pairs32)
-                block_values(acc[h], p, v_pairs)
+                if do_prefetch:
+                    for c in range(0, BLOCK * DIM, line):
+                        _prefetch(k_cache, ahead * BLOCK * DIM + c)
+                        _prefetch(v_cache, ahead * BLOCK * DIM + c)
+                if do_scores:
+                    block_scores(k_cache[block, h], q_pairs[h], s)
+                if do_softmax:
+                    _softmax_block(s, scale, st, p, acc[h], run_max[h], run_sum[h])
+                if do_stage:
+                    _stage_values(v_cache[block, h], v_pairs32)
+                if do_values:
+                    block_values(acc[h], p, v_pairs)
 
     @njit(parallel=True, nogil=True)
     def amx_decode(q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out, lse):
@@ -245,7 +279,8 @@ def _build(group):
         q_pairs = np.empty((num_threads, num_kv_heads, 4, 16, 2 * group), np.uint16)
         s = np.empty((num_threads, BLOCK, group), np.float32)
         p = np.empty((num_threads, group, BLOCK), np.uint16)
-        v_pairs32 = np.empty((num_threads, 2, 8, 16, 16), np.uint32)
+        st = np.empty((num_threads, group, BLOCK), np.float32)
+        v_pairs32 = np.empty((num_threads, BLOCK // 2, DIM), np.uint32)
         tickets = np.zeros(1, np.int64)
         for w in prange(num_threads):
             item = _count(tickets, 0)
@@ -262,7 +297,7 @@ def _build(group):
                 first = (item - splits[b]) * chunk_blocks
                 last = min(first + chunk_blocks, context_lens[b] // BLOCK)
                 attend(q_pairs[w], np.float32(scale), k_cache, v_cache, block_tables[b], first, last,
-                       part_acc[item], part_max[item], part_sum[item], s[w], p[w], v_pairs32[w])
+                       part_acc[item], part_max[item], part_sum[item], s[w], st[w], p[w], v_pairs32[w])
                 item = _count(tickets, 0)
         # Partial item * Hkv + h, as decode_kernel lays its partials out: its own merge serves.
         parts = num_items * num_kv_heads
@@ -281,13 +316,19 @@ def _build(group):
 _KERNELS = {}
 
 
-def amx_decode(q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out, lse):
+def amx_decode(q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out, lse,
+               chains=2, leave_out=()):
     """decode_kernel's contract, within this probe's scope (the group's kernel, compiled on first use)."""
-    group = q.shape[1] // k_cache.shape[1]
-    if group not in _KERNELS:
-        _KERNELS[group] = _build(group)
-    return _KERNELS[group](q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out,
-                           lse)
+    key = (q.shape[1] // k_cache.shape[1], chains, tuple(leave_out))
+    if key not in _KERNELS:
+        _KERNELS[key] = _build(*key)
+    return _KERNELS[key](q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out,
+                         lse)
+
+
+def amx_decode_one_chain(*args):
+    """The tiles one dot chain at a time (as the first device run had them), for the in-cache comparison."""
+    return amx_decode(*args, chains=1)
 
 
 # ---- the run ---------------------------------------------------------------------------------------------------
@@ -359,9 +400,29 @@ def timings(threads: int, length: int, rotate_gb: float, batches) -> dict:
         q, k_cache, v_cache, tables, _ = paged_inputs(16 * BLOCK, 1, q_heads // 8, 0, rng)
         table = np.tile(tables[0], (1, length // BLOCK // 16))
         lens = np.array([length], np.int32)
-        for name, kernel in (("amx", amx_decode), ("kernel", decode_kernel)):
+        for name, kernel in (("amx", amx_decode), ("amx_one_chain", amx_decode_one_chain), ("kernel", decode_kernel)):
             ms = time_kernel(kernel, q, k_cache, v_cache, [table], lens, 1, 5) * 1e3
             result[f"hq{q_heads}_in_cache_{name}_gbps"] = 2 * length * DIM * 2 / ms / 1e6
+    return result
+
+
+def profile(length: int) -> dict:
+    """Where a block-head's time goes: one thread in L2 (as timings' in_cache rows), whole and with each piece
+    left out. The results are wrong without a piece; only the time counts."""
+    import numba
+
+    numba.set_num_threads(1)
+    rng = np.random.default_rng(0)
+    result = {}
+    for q_heads in (16, 32):
+        q, k_cache, v_cache, tables, _ = paged_inputs(16 * BLOCK, 1, q_heads // 8, 0, rng)
+        table = np.tile(tables[0], (1, length // BLOCK // 16))
+        lens = np.array([length], np.int32)
+        for piece in ("none",) + PIECES:
+            leave_out = () if piece == "none" else (piece,)
+            kernel = lambda *args: amx_decode(*args, leave_out=leave_out)
+            seconds = time_kernel(kernel, q, k_cache, v_cache, [table], lens, 1, 5)
+            result[f"hq{q_heads}_without_{piece}_ns_per_block_head"] = seconds / (length // BLOCK) * 1e9
     return result
 
 
@@ -372,6 +433,7 @@ def main() -> None:
     parser.add_argument("--rotate-gb", type=float, default=1.0)
     parser.add_argument("--batches", default="32x2048", help="more BxL cases, all threads")
     parser.add_argument("--check-only", action="store_true", help="only the float64 check (what CPU CI can run)")
+    parser.add_argument("--profile", action="store_true", help="also time one thread in L2 without each piece")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not EMULATE and not request_amx():
@@ -394,6 +456,11 @@ def main() -> None:
                       f"ceiling){extra}")
             else:
                 print(f"{key:>28}: {row:6.1f} GB/s")
+    if args.profile:
+        rows = profile(args.length)
+        result.update(rows)
+        for key, ns in rows.items():
+            print(f"{key:>44}: {ns:7.0f} ns")
     if args.out:
         Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(result, indent=2))
