@@ -7,7 +7,9 @@ Decode is memory-bound: KV bytes read / time = achieved GB/s, next to
       (q [B, Hkv, Hq/Hkv, D] against the same K/V: the same arithmetic with no KV expansion).
 Shapes: 8 KV heads x D 128 (Qwen3-8B, Llama-3-8B), Hq 32, bf16, paged head-major caches with shuffled blocks.
 Inputs rotate over a pool of at least --rotate-gb, so every timed run reads from DRAM, not from the L3.
-A block-size sweep at one shape helps choose the engine's cpu_block_size. Results: printed, and written to
+With --paired N each case is also timed in N rounds, each against the ceiling read right before it (the median
+ratio is what the shared hosts' drifting load moves least). A block-size sweep at one shape helps choose the
+engine's cpu_block_size. Results: printed, and written to
 benchmarks/results/cpu_attention_<tag>.json.
 
     python3 benchmarks/bench_cpu_attention.py [--quick] [--threads N] [--tag NAME]
@@ -48,13 +50,21 @@ def _sum_all(a):
     return total
 
 
+class ReadCeiling:
+    """The host read ceiling: best read bandwidth of a streaming parallel sum over every thread numba has, over
+    one array held for re-reading (--paired reads it again before every round)."""
+
+    def __init__(self, gigabytes: float):
+        self.array = np.ones(int(gigabytes * GB) // 4, np.float32)
+        _sum_all(self.array)
+
+    def gbps(self, repeats: int) -> float:
+        return max(self.array.nbytes / _timed(lambda: _sum_all(self.array)) for _ in range(repeats)) / GB
+
+
 def read_ceiling_gbps(gigabytes: float, repeats: int = 5) -> float:
-    """Best read bandwidth of a streaming parallel sum over every thread numba has."""
-    a = np.ones(int(gigabytes * GB) // 4, np.float32)
-    _sum_all(a)
-    best = max(a.nbytes / _timed(lambda: _sum_all(a)) for _ in range(repeats))
-    del a
-    return best / GB
+    """One reading of the ceiling (GB/s), the array freed after."""
+    return ReadCeiling(gigabytes).gbps(repeats)
 
 
 def _timed(fn) -> float:
@@ -135,14 +145,30 @@ def check_against_sdpa(args) -> float:
     return max(errors)
 
 
-def run_case(batch, length, args, ceiling, with_sdpa=True, block_size=None):
+def paired_ratios(fns, nbytes, ceiling: ReadCeiling, rounds: int) -> list:
+    """Our GB/s over the ceiling read right before it, round by round. The shared GPU hosts' memory load drifts
+    within one process (one reading 71, others that hour 90-129 GB/s), so two readings minutes apart give a
+    ratio that moves with the drift, not with the kernel."""
+    ratios = []
+    for _ in range(rounds):
+        read = ceiling.gbps(2)
+        ratios.append(nbytes / median_seconds(fns, 3, warmup=1) / GB / read)
+    return ratios
+
+
+def run_case(batch, length, args, ceiling, with_sdpa=True, block_size=None, paired_ceiling=None):
     block_size = block_size or args.block_size
     nbytes = kv_bytes(batch, length, args)
-    ours = median_seconds(paged_case(batch, length, block_size, args), args.repeats)
+    fns = paged_case(batch, length, block_size, args)
+    ours = median_seconds(fns, args.repeats)
     row = {"batch": batch, "context": length, "block_size": block_size, "kv_bytes": nbytes,
            "splits_per_seq": int(split_plan([length] * batch, block_size, args.kv_heads)[0]),
            "ours_ms": ours * 1e3, "ours_gbps": nbytes / ours / GB}
     row["ours_over_ceiling"] = row["ours_gbps"] / ceiling
+    if paired_ceiling is not None:
+        row["paired_ratios"] = paired_ratios(fns, nbytes, paired_ceiling, args.paired)
+        row["ours_over_ceiling_paired"] = statistics.median(row["paired_ratios"])
+    del fns
     if with_sdpa:
         timings = {name: median_seconds(fns, args.repeats) for name, fns in sdpa_case(batch, length, args).items()}
         form = min(timings, key=timings.get)
@@ -155,6 +181,10 @@ def print_row(row):
     text = (f"B={row['batch']:>3} L={row['context']:>6} bs={row['block_size']:>3} KV {row['kv_bytes'] / GB:6.2f} GB"
             f" | ours {row['ours_ms']:8.2f} ms {row['ours_gbps']:6.1f} GB/s ({row['ours_over_ceiling']:.2f} of "
             f"ceiling, {row['splits_per_seq']} splits/seq)")
+    if "paired_ratios" in row:
+        ratios = row["paired_ratios"]
+        text += (f" | paired: median {row['ours_over_ceiling_paired']:.2f} of the ceiling read just before"
+                 f" ({min(ratios):.2f}-{max(ratios):.2f}, {len(ratios)} rounds)")
     if "sdpa_ms" in row:
         text += (f" | SDPA {row['sdpa_ms']:8.2f} ms {row['sdpa_gbps']:6.1f} GB/s [{row['sdpa_form']}]"
                  f" | ours/SDPA {row['ours_over_sdpa']:.2f}x")
@@ -176,6 +206,8 @@ def parse_args():
     p.add_argument("--no-sdpa", action="store_true")
     p.add_argument("--cases", default=None, help="BxL,BxL,... instead of the default grid (e.g. 1x131072)")
     p.add_argument("--no-sweep", action="store_true", help="skip the block-size sweep")
+    p.add_argument("--paired", type=int, default=0, metavar="ROUNDS",
+                   help="also time each case in ROUNDS rounds, each against the ceiling read right before it")
     p.add_argument("--tag", default=socket.gethostname())
     p.add_argument("--out", default=None, help="JSON path (default benchmarks/results/cpu_attention_<tag>.json)")
     args = p.parse_args()
@@ -196,21 +228,24 @@ def main():
     if args.threads:
         numba.set_num_threads(args.threads)
         torch.set_num_threads(args.threads)
-    ceiling = read_ceiling_gbps(args.ceiling_gb)
+    paired_ceiling = ReadCeiling(args.ceiling_gb) if args.paired else None
+    ceiling = paired_ceiling.gbps(5) if paired_ceiling else read_ceiling_gbps(args.ceiling_gb)
     error = check_against_sdpa(args)
     config = {"host": socket.gethostname(), "tag": args.tag, "cpu": platform.processor() or platform.machine(),
               "cores": os.cpu_count(), "numba_threads": numba.get_num_threads(),
               "torch_threads": torch.get_num_threads(),
               "threading_layer": numba.threading_layer(), "numba": numba.__version__, "torch": torch.__version__,
               "kv_heads": args.kv_heads, "q_heads": args.q_heads, "head_dim": args.head_dim, "dtype": "bfloat16",
-              "ceiling_gb": args.ceiling_gb, "rotate_gb": args.rotate_gb, "repeats": args.repeats}
+              "ceiling_gb": args.ceiling_gb, "rotate_gb": args.rotate_gb, "repeats": args.repeats,
+              "paired_rounds": args.paired}
     print(f"{config['cores']} cores, numba {config['numba_threads']} threads ({config['threading_layer']}), torch "
           f"{config['torch_threads']} threads | read ceiling {ceiling:.1f} GB/s | check vs SDPA: rel err {error:.1e}")
     if error > 1e-2:
         raise SystemExit(f"the kernel disagrees with torch SDPA (relative error {error:.2e}); not timing it")
     cases = []
     for batch, length in args.cases:
-        cases.append(run_case(batch, length, args, ceiling, with_sdpa=not args.no_sdpa))
+        cases.append(run_case(batch, length, args, ceiling, with_sdpa=not args.no_sdpa,
+                              paired_ceiling=paired_ceiling))
         print_row(cases[-1])
     if not args.no_sweep:
         print(f"block-size sweep at B={args.sweep_shape[0]} L={args.sweep_shape[1]}:")
