@@ -16,7 +16,11 @@ if it pays, the tiles move into cpu_attention/decode_kernel.py. AMX_PROBE_EMULAT
 instructions with plain loops over the same staged buffers, so the layouts are checked on any CPU (this is how
 CPU CI, a Zen 3 without AMX, checked them). Linux grants AMX per process on request (arch_prctl).
 
-    python3 benchmarks/probe_amx_attention.py [--threads 14] [--out FILE]
+Result (H100 host, 2026-11-23): correct on real AMX, and not faster than decode_kernel; --profile times a
+block-head with each piece left out, which puts the time in the hand-offs between tiles and vector code
+(benchmarks/NOTES.md, "the AMX probe run").
+
+    python3 benchmarks/probe_amx_attention.py [--threads 14] [--profile] [--out FILE]
 """
 import argparse
 import ctypes

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
-#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-b-small, suite-b-8b, suite-ac-8b,
-#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, amx-probe, multi-gpu, multi-gpu-tp
+#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
+#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-paired, amx-probe, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
@@ -44,6 +44,9 @@ case "${1:-check}" in
     step check_promotion 120 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
     step suite_ac 450 python3 benchmarks/bench_throughput.py --profile full --workloads ac --out-dir "$OUT"
     ;;
+  suite-c)  # workload c alone (split, host only, device only, at 262k and at 1.5x the budget; ~4-5 min)
+    step suite_c 570 python3 benchmarks/bench_throughput.py --profile full --workloads c --out-dir "$OUT"
+    ;;
   suite-ac-8b)  # suite-ac and suite-b-8b in one call (one machine start), with shorter limits; b 8B's third
     # budget (a 24 GiB card's) adds ~1 min, which 300 s may not hold: prefer suite-ac and suite-b-8b
     step check_promotion 80 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
@@ -77,9 +80,17 @@ case "${1:-check}" in
     step host_kernel_rate 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,bf16_dot,base_again \
       --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_lane.json"
     ;;
+  host-kernel-paired)  # issue 11's 1 x 128k figure: each round against the ceiling read right before it
+    for H in 32 16; do
+      step cpu_attention_paired_hq$H 270 python3 benchmarks/bench_cpu_attention.py --cases 1x131072,8x16384 \
+        --q-heads $H --threads 14 --no-sdpa --no-sweep --paired 9 --tag paired \
+        --out "$OUT/cpu_attention_1x128k_paired_hq$H.json"
+    done
+    ;;
   amx-probe)  # issue 11: q.K and P x V on AMX tiles against decode_kernel, in one process
     grep -o 'amx[a-z_0-9]*' /proc/cpuinfo | sort -u > "$OUT/amx_flags.txt"; cat "$OUT/amx_flags.txt"
-    step amx_probe 500 python3 benchmarks/probe_amx_attention.py --batches 32x2048,8x16384 --out "$OUT/amx_probe.json"
+    step amx_probe 500 python3 benchmarks/probe_amx_attention.py --batches 32x2048,8x16384 --profile \
+      --out "$OUT/amx_probe.json"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
