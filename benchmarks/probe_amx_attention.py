@@ -24,7 +24,6 @@ block-head with each piece left out, which puts the time in the hand-offs betwee
 """
 import argparse
 import ctypes
-import json
 import os
 import sys
 import time
@@ -38,7 +37,7 @@ from numba.extending import intrinsic
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_cpu_attention import read_ceiling_gbps  # noqa: E402
-from benchmarks.profile_host_kernel_rate import paged_inputs, time_kernel  # noqa: E402
+from benchmarks.profile_host_kernel_rate import paged_inputs, time_kernel, write_result  # noqa: E402
 from cpu_attention.decode_kernel import (_count, _exp_nonpositive, _merge_splits,  # noqa: E402
                                         _prefer_wide_vectors, _prefetch, decode_kernel, plan_work)
 from tests.reference import attention_reference  # noqa: E402
@@ -377,6 +376,13 @@ def check(threads: int) -> dict:
     return result
 
 
+def in_cache_case(q_heads: int, length: int, rng):
+    """One kv head of q_heads // 8 query heads over 16 blocks, read again and again to `length` tokens: they stay
+    in L2, so one thread's time is the arithmetic's. (q, k_cache, v_cache, table, lens)"""
+    q, k_cache, v_cache, tables, _ = paged_inputs(16 * BLOCK, 1, q_heads // 8, 0, rng)
+    return q, k_cache, v_cache, np.tile(tables[0], (1, length // BLOCK // 16)), np.array([length], np.int32)
+
+
 def timings(threads: int, length: int, rotate_gb: float, batches) -> dict:
     """ms and GB/s of both kernels on 1 x length (all threads, one thread, one thread in L2) and on batches."""
     import numba
@@ -401,9 +407,7 @@ def timings(threads: int, length: int, rotate_gb: float, batches) -> dict:
             del case
         # One thread, one kv head, 16 blocks over and over: they stay in L2 (the arithmetic rate).
         numba.set_num_threads(1)
-        q, k_cache, v_cache, tables, _ = paged_inputs(16 * BLOCK, 1, q_heads // 8, 0, rng)
-        table = np.tile(tables[0], (1, length // BLOCK // 16))
-        lens = np.array([length], np.int32)
+        q, k_cache, v_cache, table, lens = in_cache_case(q_heads, length, rng)
         for name, kernel in (("amx", amx_decode), ("amx_one_chain", amx_decode_one_chain), ("kernel", decode_kernel)):
             ms = time_kernel(kernel, q, k_cache, v_cache, [table], lens, 1, 5) * 1e3
             result[f"hq{q_heads}_in_cache_{name}_gbps"] = 2 * length * DIM * 2 / ms / 1e6
@@ -419,9 +423,7 @@ def profile(length: int) -> dict:
     rng = np.random.default_rng(0)
     result = {}
     for q_heads in (16, 32):
-        q, k_cache, v_cache, tables, _ = paged_inputs(16 * BLOCK, 1, q_heads // 8, 0, rng)
-        table = np.tile(tables[0], (1, length // BLOCK // 16))
-        lens = np.array([length], np.int32)
+        q, k_cache, v_cache, table, lens = in_cache_case(q_heads, length, rng)
         for piece in ("none",) + PIECES:
             leave_out = () if piece == "none" else (piece,)
             kernel = lambda *args: amx_decode(*args, leave_out=leave_out)
@@ -465,10 +467,7 @@ def main() -> None:
         result.update(rows)
         for key, ns in rows.items():
             print(f"{key:>44}: {ns:7.0f} ns")
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":

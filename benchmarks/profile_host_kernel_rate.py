@@ -255,6 +255,14 @@ def ceilings(threads: int, gigabytes: float) -> dict:
     return result
 
 
+def write_result(path: str | None, result: dict) -> None:
+    """The run's JSON at path (its folder made), if a path was given."""
+    if path:
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_text(json.dumps(result, indent=2))
+        print(f"wrote {path}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--variants", default=",".join(VARIANTS))
@@ -324,10 +332,7 @@ def main() -> None:
                   f"{row['dram1_gbps']:5.1f} GB/s, in cache {row['cache1_gbps']:5.1f} GB/s"
                   + "".join(f" | {k[5:-5]} {v / result['read_all_gbps']:.2f}" for k, v in row.items()
                             if k.startswith("dram_") and k.count("x")), flush=True)
-    if args.out:
-        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.out).write_text(json.dumps(result, indent=2))
-        print(f"wrote {args.out}")
+    write_result(args.out, result)
 
 
 if __name__ == "__main__":
