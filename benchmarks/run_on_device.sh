@@ -2,7 +2,8 @@
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
-#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-paired, amx-probe, multi-gpu, multi-gpu-tp
+#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-paired, amx-probe, placement-8b, multi-gpu,
+#   multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
@@ -91,6 +92,15 @@ case "${1:-check}" in
     grep -o 'amx[a-z_0-9]*' /proc/cpuinfo | sort -u > "$OUT/amx_flags.txt"; cat "$OUT/amx_flags.txt"
     step amx_probe 500 python3 benchmarks/probe_amx_attention.py --batches 32x2048,8x16384 --profile \
       --out "$OUT/amx_probe.json"
+    ;;
+  placement-8b)  # issue 10, off the suite: 8B decode-heavy with 96 requests at a 24 GB card's room, gpu once and
+    # auto three times (auto varied 0.94-1.03x there over five runs, 2026-11-23), each traced step by step
+    step trace_96_gpu 150 python3 -m benchmarks.trace_placement gpu --num-seqs 96 --cpu-kv-cache-gb 44 \
+      --out "$OUT/trace_96_3296_gpu.json"
+    for run in 1 2 3; do
+      step trace_96_auto_r$run 150 python3 -m benchmarks.trace_placement auto --num-seqs 96 --cpu-kv-cache-gb 44 \
+        --out "$OUT/trace_96_3296_auto_r$run.json"
+    done
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
