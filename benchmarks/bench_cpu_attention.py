@@ -54,8 +54,9 @@ class ReadCeiling:
     """The host read ceiling: best read bandwidth of a streaming parallel sum over every thread numba has, over
     one array held for re-reading (--paired reads it again before every round)."""
 
-    def __init__(self, gigabytes: float):
-        self.array = np.ones(int(gigabytes * GB) // 4, np.float32)
+    def __init__(self, gigabytes: float, array: np.ndarray | None = None):
+        """Over a new array of `gigabytes`, or over `array` as given (float32 ones), e.g. memory of another kind."""
+        self.array = np.ones(int(gigabytes * GB) // 4, np.float32) if array is None else array
         _sum_all(self.array)
 
     def gbps(self, repeats: int) -> float:
@@ -84,15 +85,16 @@ def kv_bytes(batch, length, args, itemsize=2) -> int:
     return 2 * batch * length * args.kv_heads * args.head_dim * itemsize
 
 
-def paged_case(batch, length, block_size, args):
-    """A head-major paged pool holding at least --rotate-gb, and one shuffled block table per rotation."""
+def paged_case(batch, length, block_size, args, empty=torch.empty):
+    """A head-major paged pool holding at least --rotate-gb, and one shuffled block table per rotation. `empty`
+    allocates the K and V caches (shape, dtype=...), as torch.empty does."""
     blocks_per_seq = math.ceil(length / block_size)
     case_blocks = batch * blocks_per_seq
     block_bytes = 2 * args.kv_heads * block_size * args.head_dim * 2
     rotations = max(1, math.ceil(args.rotate_gb * GB / (case_blocks * block_bytes)))
     shape = (case_blocks * rotations, args.kv_heads, block_size, args.head_dim)
-    k_cache = torch.empty(shape, dtype=torch.bfloat16).uniform_(-1, 1)
-    v_cache = torch.empty(shape, dtype=torch.bfloat16).uniform_(-1, 1)
+    k_cache = empty(shape, dtype=torch.bfloat16).uniform_(-1, 1)
+    v_cache = empty(shape, dtype=torch.bfloat16).uniform_(-1, 1)
     order = torch.randperm(shape[0], dtype=torch.int32)
     tables = [order[r * case_blocks:(r + 1) * case_blocks].view(batch, blocks_per_seq) for r in range(rotations)]
     lens = torch.full((batch,), length, dtype=torch.int32)

@@ -1,10 +1,12 @@
 """Does the host kernel read faster from memory on transparent huge pages? One process, paired rounds.
 
 The engine's host pool (cpu_attention/kv_pool.py) asks for huge pages (MADV_HUGEPAGE); bench_cpu_attention's
-pools and its read ceiling come from torch.empty / np.ones, which get huge pages only where the host's THP mode is
-"always". Each round times, back to back: the ceiling's streaming sum over 4 KB pages and over huge pages, then
-the kernel over 1 x L (Hq 32 and 16, 8 KV heads, block 64, shuffled blocks) with its pool on either. Prints the
-host's THP settings and how much of each buffer the kernel actually gave huge pages (AnonHugePages).
+pools come from torch.empty, which gets them only where the host's THP mode is "always". Each round times, back to
+back: the read ceiling (bench_cpu_attention's ReadCeiling) over its own np.ones array and over one advised here,
+then the kernel over 1 x L (Hq 32 and 16, 8 KV heads, block 64, shuffled blocks: bench_cpu_attention's paged_case)
+with its pool from torch.empty or on advised memory. Prints the host's THP settings and how much of each buffer the
+kernel actually gave huge pages (AnonHugePages): numpy advises its large arrays itself, so both ceilings may read
+huge pages (they did on the H100 host, 2026-11-23).
 
     python3 benchmarks/probe_hugepages.py [--threads 14] [--rounds 7] [--out PATH]
 """
@@ -13,7 +15,6 @@ import json
 import mmap
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import numba
@@ -21,8 +22,8 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from benchmarks.bench_cpu_attention import GB, _sum_all, median_seconds  # noqa: E402
-from cpu_attention import paged_decode_attention  # noqa: E402
+from benchmarks.bench_cpu_attention import GB, ReadCeiling, median_seconds, paged_case  # noqa: E402
+from benchmarks.profile_host_kernel_rate import write_result  # noqa: E402
 
 KV_HEADS, HEAD_DIM, BLOCK = 8, 128, 64
 
@@ -34,11 +35,9 @@ def huge_buffer(nbytes: int) -> mmap.mmap:
     return memory
 
 
-def tensor(shape, dtype, huge: bool) -> torch.Tensor:
-    count = int(np.prod(shape))
-    if not huge:
-        return torch.empty(shape, dtype=dtype)
-    return torch.frombuffer(huge_buffer(count * dtype.itemsize), dtype=dtype).view(shape)
+def huge_empty(shape, dtype) -> torch.Tensor:
+    """torch.empty's contract (paged_case's allocator) on memory advised for huge pages."""
+    return torch.frombuffer(huge_buffer(int(np.prod(shape)) * dtype.itemsize), dtype=dtype).view(shape)
 
 
 def anon_huge_kib() -> int:
@@ -46,30 +45,6 @@ def anon_huge_kib() -> int:
         if line.startswith("AnonHugePages:"):
             return int(line.split()[1])
     return -1
-
-
-def kernel_case(length, q_heads, rotate_bytes, huge, rng):
-    blocks = length // BLOCK
-    block_bytes = 2 * KV_HEADS * BLOCK * HEAD_DIM * 2
-    rotations = max(1, -(-rotate_bytes // (blocks * block_bytes)))
-    shape = (blocks * rotations, KV_HEADS, BLOCK, HEAD_DIM)
-    k_cache, v_cache = tensor(shape, torch.bfloat16, huge), tensor(shape, torch.bfloat16, huge)
-    k_cache.uniform_(-1, 1)
-    v_cache.uniform_(-1, 1)
-    order = torch.from_numpy(rng.permutation(shape[0]).astype(np.int32))
-    tables = [order[r * blocks:(r + 1) * blocks].view(1, blocks) for r in range(rotations)]
-    lens = torch.tensor([length], dtype=torch.int32)
-    q = torch.randn(1, q_heads, HEAD_DIM).to(torch.bfloat16)
-    return [lambda t=t: paged_decode_attention(q, k_cache, v_cache, t, lens, HEAD_DIM ** -0.5) for t in tables]
-
-
-def ceiling_gbps(array, repeats=2) -> float:
-    best = float("inf")
-    for _ in range(repeats):
-        start = time.perf_counter()
-        _sum_all(array)
-        best = min(best, time.perf_counter() - start)
-    return array.nbytes / best / GB
 
 
 def main():
@@ -86,28 +61,27 @@ def main():
     thp = {name: Path(f"/sys/kernel/mm/transparent_hugepage/{name}").read_text().strip()
            for name in ("enabled", "defrag") if Path(f"/sys/kernel/mm/transparent_hugepage/{name}").exists()}
     print(f"THP {thp}", flush=True)
-    rng = np.random.default_rng(0)
     count = int(args.ceiling_gb * GB) // 4
     before = anon_huge_kib()
-    plain = np.ones(count, np.float32)
+    plain = ReadCeiling(args.ceiling_gb)  # (its first sum compiles and faults every page in)
     after_plain = anon_huge_kib()
-    huge = np.frombuffer(huge_buffer(count * 4), np.float32)
-    huge[:] = 1.0
+    advised = np.frombuffer(huge_buffer(count * 4), np.float32)
+    advised[:] = 1.0
+    huge = ReadCeiling(args.ceiling_gb, advised)
     after_huge = anon_huge_kib()
-    print(f"AnonHugePages: +{(after_plain - before) / 2**20:.2f} GiB for the 4 KB-page array, "
+    print(f"AnonHugePages: +{(after_plain - before) / 2**20:.2f} GiB for np.ones' array, "
           f"+{(after_huge - after_plain) / 2**20:.2f} GiB for the advised one", flush=True)
-    for array in (plain, huge):  # compile, and fault every page in before the first timing
-        _sum_all(array)
     nbytes = 2 * args.length * KV_HEADS * HEAD_DIM * 2
     cases = {}
     for q_heads in (32, 16):
         for name, flag in (("plain", False), ("huge", True)):
             mark = anon_huge_kib()
-            cases[(q_heads, name)] = kernel_case(args.length, q_heads, int(args.rotate_gb * GB), flag, rng)
+            dims = argparse.Namespace(kv_heads=KV_HEADS, q_heads=q_heads, head_dim=HEAD_DIM, rotate_gb=args.rotate_gb)
+            cases[(q_heads, name)] = paged_case(1, args.length, BLOCK, dims, huge_empty if flag else torch.empty)
             print(f"Hq {q_heads} {name} pool: AnonHugePages +{(anon_huge_kib() - mark) / 2**20:.2f} GiB", flush=True)
     rounds = []
-    for r in range(args.rounds):
-        row = {"ceiling_plain": ceiling_gbps(plain), "ceiling_huge": ceiling_gbps(huge)}
+    for _ in range(args.rounds):
+        row = {"ceiling_plain": plain.gbps(2), "ceiling_huge": huge.gbps(2)}
         for (q_heads, name), fns in cases.items():
             row[f"hq{q_heads}_{name}"] = nbytes / median_seconds(fns, 3, warmup=1) / GB
         rounds.append(row)
@@ -120,11 +94,10 @@ def main():
             ratios = [r[f"hq{q_heads}_{name}"] / max(r["ceiling_plain"], r["ceiling_huge"]) for r in rounds]
             summary[f"hq{q_heads}_{name}_over_best_ceiling"] = statistics.median(ratios)
     print(json.dumps(summary, indent=1))
-    if args.out:
-        Path(args.out).write_text(json.dumps({"thp": thp, "threads": args.threads, "length": args.length,
-                                              "anon_huge_gib": {"plain_array": (after_plain - before) / 2**20,
-                                                                "advised_array": (after_huge - after_plain) / 2**20},
-                                              "rounds": rounds, "summary": summary}, indent=1))
+    write_result(args.out, {"thp": thp, "threads": args.threads, "length": args.length,
+                            "anon_huge_gib": {"plain_array": (after_plain - before) / 2**20,
+                                              "advised_array": (after_huge - after_plain) / 2**20},
+                            "rounds": rounds, "summary": summary})
 
 
 if __name__ == "__main__":
