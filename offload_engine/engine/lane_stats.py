@@ -22,8 +22,12 @@
   host, 2026-11-23, benchmarks/NOTES.md). Until a move was measured it is seeded with the host link's transfer
   time per token, which the runner measures at start-up (a pinned copy), or 0 where it has none.
 
-Averages are exponentially weighted (an old step's weight halves every HALF_LIFE steps), so they follow the
-host as it warms up. `snapshot()` is what benchmarks record next to their throughput.
+Averages are exponentially weighted (an old step's weight halves every HALF_LIFE steps), so they follow the host as
+it warms up, and plain means over their first HALF_LIFE values: a first value that set the average outright kept
+~1/e of its weight for 32 more. A lane's first host steps are a row or two on cold threads: two read 0.117 s/GB of
+kernel time, against 0.014 over 201 steps of the same workload the day before, with device steps 2.4x slower beside
+them (0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24). `snapshot()` is what benchmarks record
+next to their throughput.
 """
 from collections import Counter
 from dataclasses import dataclass
@@ -38,9 +42,9 @@ class _Average:
     value: float | None = None
     count: int = 0
 
-    def add(self, x: float, weight: float = 1 / HALF_LIFE) -> None:
-        self.value = x if self.value is None else self.value + weight * (x - self.value)
+    def add(self, x: float) -> None:
         self.count += 1
+        self.value = x if self.value is None else self.value + max(1 / HALF_LIFE, 1 / self.count) * (x - self.value)
 
 
 class LaneStats:
@@ -58,12 +62,14 @@ class LaneStats:
         self._host_prefill_extra = _Average()  # seconds per host-tier prompt token beyond that
         self.device_prefill_elsewhere = False  # prefill/decode separation: device-tier prompts prefill elsewhere
         self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
+        self.device_steps_since_host_step = 0  # timed device steps since the host lane last stepped
 
     # ---- recording -----------------------------------------------------------------------------------------
     def host_step(self, kv_bytes: int, seconds: float, kernel_seconds: float) -> None:
         """A host-lane step over rows holding kv_bytes of KV took `seconds`, `kernel_seconds` of it in the CPU
         attention kernels."""
         kernel_seconds = min(kernel_seconds, seconds)
+        self.device_steps_since_host_step = 0
         self.host_fixed.add(seconds - kernel_seconds)
         self._kernel_seconds.add(kernel_seconds)
         self._kernel_bytes.add(kv_bytes)
@@ -71,6 +77,7 @@ class LaneStats:
     def device_step_done(self, rows: int, seconds: float, host_busy: bool) -> None:
         self._device_steps.setdefault((rows, host_busy), _Average()).add(seconds)
         self.device_tok_s.add(rows / max(seconds, 1e-6))
+        self.device_steps_since_host_step += 1
 
     def move_done(self, tokens: int, seconds: float) -> None:
         """A move of `tokens` tokens' KV cost the device lane `seconds` (engine thread and slower steps)."""

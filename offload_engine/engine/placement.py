@@ -68,7 +68,7 @@ def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[
 
 
 # The longest a request waits, in engine steps, so that host rows move up into device room before it (see below).
-PROMOTION_HOLD_STEPS = 64
+PROMOTION_HOLD_STEPS = 16
 
 
 def _held_for_promotion(seq: Sequence, running: Iterable[Sequence], blocks: BlockManager, step: int) -> bool:
@@ -78,10 +78,14 @@ def _held_for_promotion(seq: Sequence, running: Iterable[Sequence], blocks: Bloc
     over those), and it leaves device room idle while seq does not decode at all. So a request is held for at
     most PROMOTION_HOLD_STEPS steps from its first hold, then admitted. Uncapped, the last 6 requests of a
     decode-heavy batch waited ~1,500 steps and then decoded 1,024 tokens as a device lane of 6 rows: auto/gpu 0.84
-    (8B shape, 64 x (1024 + 1024) at 3,296 blocks, H100 host, 2026-11-23). In the replay
-    (benchmarks/simulate_placement.py, NOTES.md) that point went 0.877 -> 1.039 with the cap; caps of 8-48 steps
-    lost prompt-heavy points (0.914 for 0.6B, 64 x (2048 + 256) at 2,304 blocks; 0.95 for 8B, 32 x (4096 + 512) at
-    3,296) to demotions, and caps of 192 steps and more lost the decode-heavy 8B point again (0.948, 0.850)."""
+    (8B shape, 64 x (1024 + 1024) at 3,296 blocks, H100 host, 2026-11-23). A cap of 64 steps still let one run
+    in five of 96 such requests read 0.94x, new requests held in 45% of its steps behind host rows that were in
+    host steps; at 16 steps, five runs read 1.02-1.06x. The replay (benchmarks/simulate_placement.py, NOTES.md)
+    had caps of 8-48 steps losing prompt-heavy points to demotions (0.914 for 0.6B, 64 x (2048 + 256) at 2,304
+    blocks); on the device, at 16, that point and the rest of the suite's prompt-heavy points read 0.97-1.00x
+    (H100 host, 2026-11-24). Caps of 192 steps and more lost the decode-heavy 8B point in the replay (0.948).
+    Off the suite, 8B 32 x (4096 + 512) at 3,296 blocks reads ~0.93x at either cap (auto 868 tok/s at 16, 852 at
+    64, 854 at 16 again beside gpu's 918): its loss is elsewhere (23 demotions where gpu preempted twice)."""
     if not _awaiting_promotion(running, blocks):
         return False
     if seq.held_since is None:
@@ -221,6 +225,10 @@ def host_lane_pays(seq: Sequence, running: Iterable[Sequence], blocks: BlockMana
     return without is None or with_seq is None or with_seq - without > prefill([seq])
 
 
+# The most device steps the host lane waits, while it has rows, before it steps anyway to measure itself again.
+HOST_PROBE_STEPS = 64
+
+
 def host_step_pays(host_rows: list[Sequence], device_rows: int, stats: LaneStats | None) -> bool:
     """Whether the host lane should take a step now with these rows: its predicted tokens per second against
     what it costs the device lane at the measured slowdown (device tok/s x (1 - 1/slowdown)), the rule that
@@ -229,11 +237,21 @@ def host_step_pays(host_rows: list[Sequence], device_rows: int, stats: LaneStats
     Measured on the H100 host (2026-11-22, benchmarks/NOTES.md): 8B, 64 x (1024 + 1024) at a 24 GB card's
     device budget, the lane gave 63 tok/s while the device lane's 1,409 lost 1 - 1/1.10 of its rate (~125);
     every other point of the decode-heavy suite had it paying (195 > 138, 217 > 76, 183 > 77). Steps when the
-    device lane has no rows, and until both costs are measured."""
+    device lane has no rows, and until both costs are measured.
+
+    A refusal stops the measurements it was made from, so a lane refused on a bad estimate stayed refused. Two
+    cold host steps put its kernels at 8x what the same workload measured over 201 steps the day before, and
+    the device lane's slowdown at 2.40; the lane was then refused 6,348 times, its rows all waiting for
+    promotion (auto/gpu 1.00, against 1.12 the day before; 0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100
+    host, 2026-11-24). So after HOST_PROBE_STEPS device steps without one, the lane steps anyway (a
+    "host_step_probe" check): a step that does not pay costs the device lane about one step of its own (see the
+    module's docstring), under 2% at this interval."""
     if not host_rows:
         return False
     if not device_rows or stats is None or stats.kv_bytes_per_token is None or not stats.device_tok_s.value:
         return True
+    if stats.device_steps_since_host_step >= HOST_PROBE_STEPS:
+        return _checked("host_step_probe", True, stats)
     rate = _host_rate([s.num_host_tokens for s in host_rows], stats)
     return rate is None or _checked("host_step", rate > stats.device_tok_s.value * (1 - 1 / stats.slowdown),
                                     stats)

@@ -4,8 +4,8 @@ import pytest
 from offload_engine import SamplingParams
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.host_stay import host_gain_seconds
-from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.placement import host_lane_pays, host_step_pays
+from offload_engine.engine.lane_stats import HALF_LIFE, LaneStats
+from offload_engine.engine.placement import HOST_PROBE_STEPS, host_lane_pays, host_step_pays
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 KV_BYTES = 1000  # per token
@@ -146,12 +146,40 @@ def test_the_host_lane_steps_only_while_it_pays_with_all_its_rows():
     for _ in range(40):
         stats.device_step_done(rows=64, seconds=0.010, host_busy=False)  # ~6,400 tok/s
         stats.device_step_done(rows=64, seconds=0.0105, host_busy=True)  # 5% slower: ~300 tok/s lost
+    stats.host_step(4000 * KV_BYTES, 0.024, 0.004)  # it has just stepped: no probe is due
     few, many = [_host_seq(1000) for _ in range(4)], [_host_seq(1000) for _ in range(40)]
     assert not host_step_pays(few, 64, stats)  # 4 rows in 24 ms: ~170 tok/s
     assert host_step_pays(many, 64, stats)  # 40 rows in 60 ms: ~670 tok/s
     assert host_step_pays(few, 0, stats)  # no device rows: nothing to slow down
     assert not host_step_pays([], 0, stats)
     assert stats.checks[("host_step", False)] == 1 and stats.checks[("host_step", True)] == 1
+
+
+def test_a_refused_host_lane_steps_again_to_measure_itself():
+    """A refusal stops the host steps its estimate would come from, so the lane steps anyway (a probe) after
+    HOST_PROBE_STEPS device steps without one; any host step starts the count again."""
+    stats = _lanes(64, 0.010, fixed=0.02, per_byte=1e-9, busy_step=0.0105)  # ~300 tok/s lost while it steps
+    few = [_host_seq(1000) for _ in range(4)]  # ~170 tok/s: refused
+    for _ in range(2):
+        stats.host_step(4000 * KV_BYTES, 0.024, 0.004)
+        for step in range(1, HOST_PROBE_STEPS + 1):
+            stats.device_step_done(rows=64, seconds=0.010, host_busy=False)
+            assert host_step_pays(few, 64, stats) == (step == HOST_PROBE_STEPS), step
+    assert stats.checks[("host_step_probe", True)] == 2
+    assert stats.checks[("host_step", False)] == 2 * (HOST_PROBE_STEPS - 1)
+
+
+def test_a_cold_first_measurement_weighs_no_more_than_the_ones_after_it():
+    """The first host step, on cold threads, read 8x later ones once (lane_stats.py). Until HALF_LIFE values
+    are in, an average is their plain mean; after that, newer values weigh more."""
+    stats = LaneStats(KV_BYTES)
+    stats.host_step(1000 * KV_BYTES, 0.01 + 0.08, 0.08)  # cold: 8e-8 s a byte
+    for _ in range(7):
+        stats.host_step(1000 * KV_BYTES, 0.01 + 0.01, 0.01)  # warm: 1e-8
+    assert stats.host_per_byte == pytest.approx((8e-8 + 7 * 1e-8) / 8)
+    for _ in range(HALF_LIFE * 4):
+        stats.host_step(1000 * KV_BYTES, 0.01 + 0.01, 0.01)
+    assert stats.host_per_byte == pytest.approx(1e-8, rel=0.01)
 
 
 @pytest.mark.real_cost_check
