@@ -22,12 +22,12 @@
   host, 2026-11-23, benchmarks/NOTES.md). Until a move was measured it is seeded with the host link's transfer
   time per token, which the runner measures at start-up (a pinned copy), or 0 where it has none.
 
-Averages are exponentially weighted (an old step's weight halves every HALF_LIFE steps), so they follow the host as
-it warms up, and plain means over their first HALF_LIFE values: a first value that set the average outright kept
-~1/e of its weight for 32 more. A lane's first host steps are a row or two on cold threads: two read 0.117 s/GB of
-kernel time, against 0.014 over 201 steps of the same workload the day before, with device steps 2.4x slower beside
-them (0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24). `snapshot()` is what benchmarks record
-next to their throughput.
+Averages are exponentially weighted (an old step's weight falls by ~1/e every HALF_LIFE steps), so they follow the
+host as it warms up, and plain means over their first HALF_LIFE values: a first value that set the average outright
+kept ~1/e of its weight for 32 more. A lane's first host steps are a row or two on cold threads: two read 0.117 s/GB
+of kernel time, against 0.014 over 201 steps of the same workload the day before, with device steps 2.4x slower
+beside them (0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24). `snapshot()` is what benchmarks
+record next to their throughput.
 """
 from collections import Counter
 from dataclasses import dataclass
