@@ -72,8 +72,9 @@ def main():
     args = parser.parse_args()
     placement._held_for_promotion = _traced_hold(placement._held_for_promotion)  # choose_tier looks it up by name
     scheduler.Scheduler.schedule_decode = _traced_decode(scheduler.Scheduler.schedule_decode)
+    vocab = 400 if args.model == "tiny" else 10000
     result = measure(model_dir(args.model, args.model_cache),
-                     random_prompts([args.prompt_len] * args.num_seqs, 400 if args.model == "tiny" else 10000), [args.output_len] * args.num_seqs,
+                     random_prompts([args.prompt_len] * args.num_seqs, vocab), [args.output_len] * args.num_seqs,
                      kv_placement=args.placement, num_gpu_blocks=args.num_gpu_blocks,
                      cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_model_len=args.prompt_len + args.output_len,
                      max_num_seqs=256)
