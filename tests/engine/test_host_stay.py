@@ -7,7 +7,7 @@ from offload_engine import SamplingParams
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.host_stay import promotion_delays, promotion_order
 from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.placement import PROMOTION_HOLD_STEPS, choose_tier, promotions
+from offload_engine.engine.placement import PROMOTION_HEADROOM_TOKENS, PROMOTION_HOLD_STEPS, choose_tier, promotions
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
@@ -48,6 +48,24 @@ def test_the_forecast_takes_host_rows_in_the_order_promotions_takes_them():
         row.num_computed_tokens = len(row)  # prefilled: promotions() passes over rows still in prefill
     assert promotion_order(rows) == [rows[1], rows[2], rows[0], rows[3]]
     assert list(promotions(rows, blocks)) == promotion_order(rows)
+
+
+def test_a_promotion_leaves_room_for_the_next_tokens_of_every_device_row():
+    """A row moved into room a demotion had just freed overflowed the device again a few steps later, and the next
+    row near its end went back down: promotions keep PROMOTION_HEADROOM_TOKENS of room for each row."""
+    assert PROMOTION_HEADROOM_TOKENS == 64  # the arithmetic below is in 16-token blocks: 4 blocks of headroom
+    blocks = BlockManager(100, 16, 1000, 16, False)
+    device = _placed(blocks, GPU, 1200, 1000)  # 75 blocks; 79 with the headroom
+    host = _placed(blocks, CPU, 320, 1000)  # 20 blocks, 21 with its next token, 24 with the headroom
+    host.num_computed_tokens = len(host)
+    rows = [device, host]
+    assert blocks.pool(GPU).num_free == 25 and list(promotions(rows, blocks)) == []  # 4 + 24 > 25
+    assert list(promotions(rows, blocks, extra_room=3)) == [host]  # 28 blocks: room for both
+    device.budget = len(device) + 16  # one block left of its budget: it needs no more than that
+    assert list(promotions(rows, blocks)) == [host]
+    host.budget = len(host) + 1  # ends after its next token: that is all the room it needs (21 blocks)
+    device.budget = len(device) + 64
+    assert list(promotions(rows, blocks)) == [host]
 
 
 def test_a_new_request_waits_behind_a_host_row_that_waits_for_device_room():

@@ -176,12 +176,13 @@ def test_demotion_takes_the_row_nearest_its_end_and_promotion_the_row_furthest_f
                           eos_token_ids=(), kv_promotion=True)
     rows = [_decoding(scheduler, blocks, 8, 5, GPU) for _ in range(3)]
     assert scheduler.schedule_decode(GPU) == rows[:2] and rows[2].location == CPU
-    # Promotion: device room (3 blocks) for one of two host rows: the one with more tokens to go, though newer.
+    # Promotion: device room (5 blocks) for one of three host rows: the one with more tokens to go, though newest.
+    # (Each moves up with room for its whole budget here: PROMOTION_HEADROOM_TOKENS is more than any has left.)
     scheduler.finish(rows[0])
     scheduler.finish(rows[1])
-    blocks.allocate(Sequence(list(range(12)), SamplingParams(max_tokens=4), budget=16), GPU)
+    blocks.allocate(Sequence(list(range(4)), SamplingParams(max_tokens=4), budget=4), GPU)
     few_left, many_left = (_decoding(scheduler, blocks, 8, left, CPU) for left in (2, 9))
-    assert blocks.pool(GPU).num_free == 3  # room for one row of 9 tokens and its next
+    assert blocks.pool(GPU).num_free == 5  # room for the budget of one row of 9 tokens with 9 to go (18 tokens)
     assert [seq for seq, _ in scheduler.schedule_promotions()] == [many_left]
     assert few_left.location == rows[2].location == CPU  # rows[2]: 5 tokens left
 
