@@ -84,10 +84,11 @@ def _held_for_promotion(seq: Sequence, running: Iterable[Sequence], blocks: Bloc
     had caps of 8-48 steps losing prompt-heavy points to demotions (0.914 for 0.6B, 64 x (2048 + 256) at 2,304
     blocks); on the device, at 16, that point and the rest of the suite's prompt-heavy points read 0.97-1.00x
     (H100 host, 2026-11-24). Caps of 192 steps and more lost the decode-heavy 8B point in the replay (0.948).
-    Off the suite, 8B 32 x (4096 + 512) at 3,296 blocks reads ~0.93x at either cap (auto 868 tok/s at 16, 852 at
-    64, 854 at 16 again beside gpu's 918): 23 demotions where gpu preempted twice, each followed by a promotion or
-    an admission into the room it freed and, ~20 steps later, the next demotion (NOTES.md, 2026-11-24; a rule
-    against it is on branch placement-hold-until-fit, not here: it cost another point)."""
+    Off the suite, 8B 32 x (4096 + 512) at 3,296 blocks read ~0.93x at either cap: 23 demotions where gpu
+    preempted twice, each followed by a promotion or an admission into the room it freed and, ~20 steps later, the
+    next demotion. With promotions leaving headroom (promotions()) it reads 0.96-0.97x, 14 demotions. Holding
+    uncapped while no demoted row fits took it to 0.966x with 3 demotions but cost 96 x (1024 + 1024) a tail of
+    few device rows (0.936x; branch placement-hold-until-fit, NOTES.md, 2026-11-24)."""
     if not _awaiting_promotion(running, blocks):
         return False
     if seq.held_since is None:
