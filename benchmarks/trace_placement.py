@@ -6,17 +6,21 @@ writes every step to JSON: what simulate_placement.py replays, measured on the d
     python -m benchmarks.trace_placement auto --model qwen3-8b --num-seqs 96 --num-gpu-blocks 3296 --out PATH
 """
 import argparse
+import functools
+import gc
 import json
 import statistics
 import time
 
 from benchmarks.bench_throughput import model_dir
 from benchmarks.engine_run import measure, random_prompts
-from offload_engine.engine import placement, scheduler
+from offload_engine.engine import llm_engine, model_runner, placement, scheduler
 from offload_engine.engine.sequence import BlockLocation
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
 steps = []  # one dict per device-lane decode step
+slow_calls = []  # engine calls and garbage collections that held the engine's thread for SLOW_CALL_S or more
+SLOW_CALL_S = 0.03
 held = set()  # ids of requests held for a promotion in the step being scheduled
 
 
@@ -45,6 +49,49 @@ def _traced_decode(original):
     return schedule_decode
 
 
+def _timed_call(owner, name: str) -> None:
+    """Records each call of owner.name that takes SLOW_CALL_S or more, with the device step it came after."""
+    original = getattr(owner, name)
+
+    @functools.wraps(original)
+    def timed(*args, **kwargs):
+        began = time.perf_counter()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            seconds = time.perf_counter() - began
+            if seconds >= SLOW_CALL_S:
+                prefill = kwargs.get("is_prefill", len(args) > 2 and args[2] is True)
+                slow_calls.append({"step": len(steps), "call": name + (" (prefill)" if prefill else ""),
+                                   "seconds": round(seconds, 4)})
+    setattr(owner, name, timed)
+
+
+def _watch_collections() -> None:
+    began = {}
+
+    def collection(phase, info):
+        if phase == "start":
+            began["t"] = time.perf_counter()
+        elif time.perf_counter() - began["t"] >= SLOW_CALL_S / 10:
+            slow_calls.append({"step": len(steps), "call": f"gc generation {info['generation']}",
+                               "seconds": round(time.perf_counter() - began["t"], 4)})
+    gc.callbacks.append(collection)
+
+
+def watch_slow_calls() -> None:
+    """Which of the engine's step parts (or a garbage collection) hold its thread long enough to stall the device
+    lane: a gap between two device steps with no prefill in it."""
+    for name in ("_take_host_step", "_land_promotions", "_promote", "_schedule_prefill", "_resolve_device_step",
+                 "_start_host_step"):
+        _timed_call(llm_engine.LLMEngine, name)
+    for name in ("run", "demote", "promote"):
+        _timed_call(model_runner.ModelRunner, name)
+    for name in ("schedule_decode", "take_demotions", "schedule_promotions", "postprocess"):
+        _timed_call(scheduler.Scheduler, name)
+    _watch_collections()
+
+
 def slices(trace: list[dict], count: int = 10) -> list[dict]:
     out = []
     for i in range(count):
@@ -69,9 +116,13 @@ def main():
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=None)
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--slow-calls", action="store_true", help="record engine calls and collections that take "
+                        f"{SLOW_CALL_S * 1000:.0f} ms or more")
     args = parser.parse_args()
     placement._held_for_promotion = _traced_hold(placement._held_for_promotion)  # choose_tier looks it up by name
     scheduler.Scheduler.schedule_decode = _traced_decode(scheduler.Scheduler.schedule_decode)
+    if args.slow_calls:
+        watch_slow_calls()
     vocab = 400 if args.model == "tiny" else 10000
     result = measure(model_dir(args.model, args.model_cache),
                      random_prompts([args.prompt_len] * args.num_seqs, vocab), [args.output_len] * args.num_seqs,
@@ -81,10 +132,12 @@ def main():
     summary = {"config": vars(args), "tok_s": result["output_tok_per_s"], "seconds": result["seconds"],
                "decode_steps": len(steps), "promotions": result.get("promotions"),
                "demotions": result.get("demotions"), "preemptions": result.get("preemptions"),
-               "slices": slices(steps)}
+               "slices": slices(steps), "slow_calls": slow_calls}
     print(f"{args.placement}: {summary['tok_s']:.0f} tok/s, {len(steps)} device steps")
     for part in summary["slices"]:
         print("  " + " ".join(f"{k} {v}" for k, v in part.items()))
+    for call in slow_calls:
+        print(f"  slow: after device step {call['step']}: {call['call']} {call['seconds'] * 1000:.0f} ms")
     if args.out:
         with open(args.out, "w") as f:
             json.dump({**summary, "steps": steps}, f)

@@ -101,3 +101,33 @@ def test_engines_made_one_after_another_give_device_memory_back(qwen3_dir):
         llm.close()
         assert torch.cuda.memory_reserved() <= baseline
 
+
+
+def test_the_start_up_heap_is_frozen_while_the_engine_is_open_and_collectable_after(qwen3_dir):
+    """A full collection over start-up's heap held the engine's thread ~0.3 s mid-run (engine/gc_heap.py): that heap
+    is frozen while the engine is open, while what the steps leave behind is still collected; after close() the
+    engine's own cycles are collectable again, so nothing it held outlives it."""
+    from offload_engine.engine import gc_heap
+
+    opened_before = gc_heap._open
+    llm = _two_tier_engine(qwen3_dir)
+    assert gc.get_freeze_count() > 0 and gc_heap._open == opened_before + 1
+
+    class Node:
+        pass
+
+    a, b = Node(), Node()
+    a.other, b.other = b, a  # a cycle made after start-up is not frozen: the collector still frees it
+    gone = weakref.ref(a)
+    del a, b
+    gc.collect()
+    assert gone() is None
+    _check_generates(llm, qwen3_dir, seed=73)
+    engine = weakref.ref(llm.engine)
+    llm.close()
+    del llm
+    assert gc_heap._open == opened_before
+    if opened_before == 0:
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert engine() is None  # the engine, frozen with the start-up heap, is collected once unfrozen

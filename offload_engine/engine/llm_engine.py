@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import make_runner
+from offload_engine.engine import gc_heap
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine.move_staging import split_moves
@@ -90,6 +91,7 @@ class LLMEngine:
         except BaseException:
             self.runner.close()  # a failed start leaves no threads or pinned memory behind
             raise
+        gc_heap.freeze_after_start_up()
 
     def make_sequence(self, token_ids: list[int], params) -> Sequence:
         """A sequence for the request, or ValueError if no pool it may use could ever hold it."""
@@ -299,8 +301,11 @@ class LLMEngine:
         if self.closed:
             return
         self.closed = True
-        self.host_lane.shutdown(wait=True, cancel_futures=True)  # a host step in flight finishes first
-        self.in_flight, self.promoting, self.pending = None, [], None
-        if self.prefill is not None:
-            self.prefill.close()  # before the decode pool goes: its copies write there
-        self.runner.close()
+        try:
+            self.host_lane.shutdown(wait=True, cancel_futures=True)  # a host step in flight finishes first
+            self.in_flight, self.promoting, self.pending = None, [], None
+            if self.prefill is not None:
+                self.prefill.close()  # before the decode pool goes: its copies write there
+            self.runner.close()
+        finally:
+            gc_heap.unfreeze_at_close()
