@@ -19,8 +19,9 @@ from offload_engine.engine.sequence import BlockLocation
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
 steps = []  # one dict per device-lane decode step
-slow_calls = []  # engine calls and garbage collections that held the engine's thread for SLOW_CALL_S or more
+slow_calls = []  # engine calls of SLOW_CALL_S or more, and garbage collections of SLOW_COLLECTION_S or more
 SLOW_CALL_S = 0.03
+SLOW_COLLECTION_S = 0.003  # a collection holds every thread: shorter ones still add up
 held = set()  # ids of requests held for a promotion in the step being scheduled
 
 
@@ -73,7 +74,7 @@ def _watch_collections() -> None:
     def collection(phase, info):
         if phase == "start":
             began["t"] = time.perf_counter()
-        elif time.perf_counter() - began["t"] >= SLOW_CALL_S / 10:
+        elif time.perf_counter() - began["t"] >= SLOW_COLLECTION_S:
             slow_calls.append({"step": len(steps), "call": f"gc generation {info['generation']}",
                                "seconds": round(time.perf_counter() - began["t"], 4)})
     gc.callbacks.append(collection)
@@ -116,8 +117,8 @@ def main():
     parser.add_argument("--cpu-kv-cache-gb", type=float, default=None)
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--slow-calls", action="store_true", help="record engine calls and collections that take "
-                        f"{SLOW_CALL_S * 1000:.0f} ms or more")
+    parser.add_argument("--slow-calls", action="store_true", help=f"record engine calls of {SLOW_CALL_S * 1000:.0f} "
+                        f"ms or more and garbage collections of {SLOW_COLLECTION_S * 1000:.0f} ms or more")
     args = parser.parse_args()
     placement._held_for_promotion = _traced_hold(placement._held_for_promotion)  # choose_tier looks it up by name
     scheduler.Scheduler.schedule_decode = _traced_decode(scheduler.Scheduler.schedule_decode)
