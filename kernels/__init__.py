@@ -3,6 +3,7 @@
 Each function follows the shared attention contract in DESIGN.md ("Kernel contracts") and stays launchable
 inside a CUDA graph: grids and tile choices depend on shapes only, never on tensor values.
 """
+from .gather_host_blocks import gather_host_blocks
 from .merge_attn_states import merge_attn_states
 from .paged_decode import paged_decode_attention
 from .paged_prefill import paged_prefill_attention
@@ -13,4 +14,4 @@ from .silu_and_mul import silu_and_mul
 from .store_kvcache import store_kvcache
 
 __all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "merge_attn_states", "rms_norm",
-           "norm_rope", "KVStore", "sample_tokens", "silu_and_mul"]
+           "norm_rope", "KVStore", "sample_tokens", "silu_and_mul", "gather_host_blocks"]

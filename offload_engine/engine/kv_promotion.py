@@ -6,11 +6,12 @@ then on every step of it runs at device speed.
 
 Two ways across, both writing token-major rows into the new slots after a transpose from the host tier's
 head-major blocks:
-- `read_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_stacked): kernels on the "moves"
-  stream gather the blocks straight from host memory over PCIe, a batch of layers per kernel (three launches a
-  batch instead of ~150 per layer: 1.2 ms of the engine's thread a promotion instead of 1.4, and 1.7-1.8 ms a
-  demotion instead of 2.1; Qwen3-0.6B, ~1.5k tokens, H100 host, 2026-11-23). The engine's thread only queues
-  them, and nothing on the host copies.
+- `read_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_stacked): one kernel on the
+  "moves" stream (kernels.gather_host_blocks) reads the tokens straight from host memory over PCIe into their
+  new slots, every layer at once, on 16 programs. torch's index_select in its place took every SM for the
+  whole transfer, and the device lane's step beside it waited as long: ~17 ms a 632 MB promotion in 8B step
+  traces, none on 16 programs (kernels/gather_host_blocks.py). The engine's thread only queues it, and nothing
+  on the host copies.
   The staged way below took ~17 ms of that thread per promotion on the H100 host, waiting for the executor's
   gather and for the staging slots' copies behind the device lane's step (benchmarks/profile_timeline.py,
   2026-11-22).
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from cpu_attention.gather import gather_blocks
+from kernels.gather_host_blocks import gather_host_blocks
 from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for
@@ -32,22 +34,15 @@ from offload_engine.engine.step_inputs import slots_for
 def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_stacked: torch.Tensor, device_stacked: torch.Tensor,
                 device_block_size: int, upload=None) -> None:
     """moves as copy_to_device's; mapped_stacked: the host pool as a tensor on the device, [L, 2, blocks, Hkv,
-    host block size, D]; device_stacked: the device pool, [L, 2, blocks, block_size, Hkv, D]. A batch of layers
-    at a time (GROUP_BYTES of KV), one kernel reads the blocks across PCIe and two more put the tokens into
-    their new slots. Returns once the reads are queued on the current stream: the host blocks must not be
-    written before they have run (ModelRunner.promote records when). upload(array) -> its copy on the device
-    (PinnedRing.upload); by default a plain copy."""
-    num_layers, _, _, num_kv_heads, host_block_size, head_dim = mapped_stacked.shape
+    host block size, D]; device_stacked: the device pool, [L, 2, blocks, block_size, Hkv, D]. One kernel reads
+    the tokens across PCIe into their new slots. Returns once it is queued on the current stream: the host
+    blocks must not be written before it has run (ModelRunner.promote records when). upload(array) -> its copy
+    on the device (PinnedRing.upload); by default a plain copy."""
     device = device_stacked.device
     upload = upload or (lambda array: torch.from_numpy(array).to(device))
-    sources, rows, slots = _plan(moves, host_block_size, device_block_size)
-    source, rows, slots = map(upload, (np.array(sources, dtype=np.int64), rows, slots))
-    token_slots = device_stacked.flatten(2, 3)  # [L, 2, blocks * block_size, Hkv, D]
-    layer_bytes = 2 * len(sources) * host_block_size * num_kv_heads * head_dim * mapped_stacked.element_size()
-    group = max(1, GROUP_BYTES // max(1, layer_bytes))
-    for first in range(0, num_layers, group):
-        layers = slice(first, min(first + group, num_layers))
-        _store_tokens(token_slots[layers], mapped_stacked[layers].index_select(2, source), rows, slots)
+    sources, rows, slots = _plan(moves, mapped_stacked.shape[4], device_block_size)
+    sources, rows, slots = map(upload, (np.array(sources, dtype=np.int64), rows, slots))
+    gather_host_blocks(mapped_stacked, device_stacked.flatten(2, 3), sources, rows, slots)
 
 
 def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[list[int], np.ndarray, np.ndarray]:
