@@ -19,13 +19,16 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_int_tensor, next_power_of_2, on_device
+from ._common import check_int_tensor, interpreted, next_power_of_2, on_device
 
 READ_PROGRAMS = 16  # see the module docstring: enough reads in flight for PCIe, few SMs taken from the step
 TOKENS_PER_UNIT = 4  # a program's load: 4 tokens x Hkv x D (32 KiB at 8 x 128 bf16)
 
 
-@triton.jit
+# Token and unit counts change with every move: specialized on them (Triton keys on ==1 and %16), the kernel
+# compiled up to four times in the middle of a run, ~1 s of the engine's thread each (decode-heavy 8B at 3,296
+# blocks read 0.99x gpu on its first process with the kernel and 1.22x at 1,024 blocks after it, H100 host).
+@triton.jit(do_not_specialize=["num_tokens", "num_units"])
 def _gather_kernel(src, dst, sources, rows, slots, num_tokens, num_units,
                    src_lk_stride, src_block_stride, dst_lk_stride,
                    NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HOST_BLOCK: tl.constexpr,
@@ -48,6 +51,25 @@ def _gather_kernel(src, dst, sources, rows, slots, num_tokens, num_units,
         values = tl.load(source, mask=mask)
         target = dst + lk.to(tl.int64) * dst_lk_stride + slot[:, None] * (NUM_HEADS * HEAD_DIM) + cols[None, :]
         tl.store(target, values, mask=mask)
+
+
+def compile_gather_host_blocks(host_stacked: torch.Tensor, token_slots: torch.Tensor) -> None:
+    """Compiles the kernel for these pools now, launching nothing (the engine's start-up: not in a run's first
+    promotion). A no-op under Triton's interpreter."""
+    if interpreted(token_slots.device):
+        return
+    index = torch.zeros(1, dtype=torch.int64, device=token_slots.device)
+    layers, two, _, num_kv_heads, host_block, head_dim = host_stacked.shape
+    block_hd = next_power_of_2(num_kv_heads * head_dim)
+    with on_device(token_slots):
+        _gather_kernel.warmup(host_stacked, token_slots, index, index, index, 1, 1, host_stacked.stride(1),
+                              host_stacked.stride(2), token_slots.stride(1), NUM_HEADS=num_kv_heads,
+                              HEAD_DIM=head_dim, HOST_BLOCK=host_block, BLOCK_HD=block_hd, TOKENS=TOKENS_PER_UNIT,
+                              num_warps=_warps(block_hd), grid=(1,))
+
+
+def _warps(block_hd: int) -> int:
+    return 8 if block_hd >= 1024 else 4
 
 
 def gather_host_blocks(host_stacked: torch.Tensor, token_slots: torch.Tensor, sources: torch.Tensor,
@@ -73,4 +95,4 @@ def gather_host_blocks(host_stacked: torch.Tensor, token_slots: torch.Tensor, so
             host_stacked, token_slots, sources, rows, slots, num_tokens, units,
             host_stacked.stride(1), host_stacked.stride(2), token_slots.stride(1),
             NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, HOST_BLOCK=host_block, BLOCK_HD=block_hd,
-            TOKENS=TOKENS_PER_UNIT, num_warps=8 if block_hd >= 1024 else 4)
+            TOKENS=TOKENS_PER_UNIT, num_warps=_warps(block_hd))

@@ -11,6 +11,7 @@ import time
 import torch
 
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
+from kernels.gather_host_blocks import compile_gather_host_blocks
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
@@ -155,6 +156,8 @@ class ModelRunner:
         stacked = self.host_pool.device_stacked() if host_pool and self.device.type == "cuda" else None
         if stacked is not None:
             mapped = [tuple(layer) for layer in stacked]
+            # Promotions read it with a Triton kernel: compiled now, not inside a run's first promotion.
+            compile_gather_host_blocks(stacked, self.device_stacked.flatten(2, 3))
         for builder in (self.inputs, self.host_inputs):
             if builder is not None:
                 builder.direct_host_writes = mapped is not None
