@@ -26,8 +26,8 @@ TOKENS_PER_UNIT = 4  # a program's load: 4 tokens x Hkv x D (32 KiB at 8 x 128 b
 
 
 # Token and unit counts change with every move: specialized on them (Triton keys on ==1 and %16), the kernel
-# compiled up to four times in the middle of a run, ~1 s of the engine's thread each (decode-heavy 8B at 3,296
-# blocks read 0.99x gpu on its first process with the kernel and 1.22x at 1,024 blocks after it, H100 host).
+# compiled up to four times in the middle of a run, on the engine's thread (decode-heavy 8B at 3,296 blocks read
+# 0.99x gpu on its first process with the kernel, 1.04x with it compiled at start-up; H100 host, 2026-11-24).
 @triton.jit(do_not_specialize=["num_tokens", "num_units"])
 def _gather_kernel(src, dst, sources, rows, slots, num_tokens, num_units,
                    src_lk_stride, src_block_stride, dst_lk_stride,
