@@ -21,19 +21,10 @@ import statistics
 
 import torch
 
+from cpu_attention.kv_pool import cuda_alias
 from kernels.gather_host_blocks import gather_host_blocks
 
 LAYERS, HKV, HBS, D = 36, 8, 64, 128
-
-
-def _alias(host: torch.Tensor) -> torch.Tensor:
-    """A CUDA tensor over pinned host memory (as HostKVPool.device_stacked makes it)."""
-
-    class _Interface:
-        __cuda_array_interface__ = {"shape": (host.numel() * host.element_size(),), "typestr": "|u1",
-                                    "data": (host.data_ptr(), False), "version": 3, "strides": None}
-
-    return torch.as_tensor(_Interface(), device="cuda").view(host.dtype).view(host.shape)
 
 
 def main() -> None:
@@ -49,7 +40,7 @@ def main() -> None:
     pool_blocks = 4 * blocks
     host = torch.empty((LAYERS, 2, pool_blocks, HKV, HBS, D), dtype=torch.bfloat16, pin_memory=True)
     host.view(torch.int16).random_(-16000, 16000)
-    mapped = _alias(host)
+    mapped = cuda_alias(host, torch.cuda.current_device()).view(host.shape)  # as HostKVPool.device_stacked
     block_ids = torch.randperm(pool_blocks)[:blocks]
     device_slots = torch.randperm(4 * args.tokens)[:args.tokens]
     pool = torch.zeros((LAYERS, 2, 4 * args.tokens, HKV, D), dtype=torch.bfloat16, device="cuda")

@@ -89,7 +89,7 @@ class HostKVPool:
         a device that cannot use the host pointer). It owns nothing: valid until close()."""
         if self._device_stacked is None and self.pinned and self._pinning.driver.can_use_host_pointer(
                 self._pinning.device_index):
-            flat = _cuda_alias(self._flat, self._pinning.device_index)
+            flat = cuda_alias(self._flat, self._pinning.device_index)
             self._device_stacked = flat.view(self.stacked.shape)
         return self._device_stacked
 
@@ -100,7 +100,7 @@ class HostKVPool:
         self.layers, self.stacked = [], None
 
 
-def _cuda_alias(tensor: torch.Tensor, device_index: int) -> torch.Tensor:
+def cuda_alias(tensor: torch.Tensor, device_index: int) -> torch.Tensor:
     """A CUDA tensor at the same address as the pinned host tensor (through __cuda_array_interface__)."""
 
     class _Interface:

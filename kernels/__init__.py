@@ -1,4 +1,5 @@
-"""Triton GPU kernels for the GPU KV tier (token-major `[num_blocks, block_size, Hkv, D]` caches).
+"""Triton GPU kernels for the GPU KV tier (token-major `[num_blocks, block_size, Hkv, D]` caches), and the read
+that brings host-tier KV into it (gather_host_blocks).
 
 Each function follows the shared attention contract in DESIGN.md ("Kernel contracts") and stays launchable
 inside a CUDA graph: grids and tile choices depend on shapes only, never on tensor values.
