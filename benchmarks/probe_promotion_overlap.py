@@ -13,7 +13,15 @@ x 36 layers (8 KV heads x 128, host blocks of 64 tokens, scattered):
   dma           one cudaMemcpyAsync per host block and layer (copy engines, no SMs) into a staging buffer.
 Each reader is also timed alone. Prints a table; --out writes JSON.
 
-    python3 benchmarks/probe_promotion_overlap.py [--out FILE]
+With --direction demote, the same for a demotion's writes of those tokens from the device slots into the host
+blocks (kv_demotion.write_mapped):
+  index_copy    the engine's way until 2026-11-24 (a gather on the device, then torch's index_copy_ into the
+                mapped pool, all the SMs its grid asks for);
+  triton_<n>    kernels.scatter_host_blocks on n programs;
+  dma_runs      a gather on the device into host-block layout, then one cudaMemcpyAsync per layer, K/V and run
+                of consecutive host blocks (copy engines, no SMs; the blocks made consecutive for it).
+
+    python3 benchmarks/probe_promotion_overlap.py [--direction demote] [--out FILE]
 """
 import argparse
 import json
@@ -22,7 +30,7 @@ import statistics
 import torch
 
 from cpu_attention.kv_pool import cuda_alias
-from kernels.gather_host_blocks import gather_host_blocks
+from kernels.host_block_copies import gather_host_blocks, scatter_host_blocks
 
 LAYERS, HKV, HBS, D = 36, 8, 64, 128
 
@@ -33,6 +41,7 @@ def main() -> None:
     parser.add_argument("--weights-gb", type=float, default=15.0)
     parser.add_argument("--rows", type=int, default=12)
     parser.add_argument("--repeats", type=int, default=9)
+    parser.add_argument("--direction", choices=("promote", "demote"), default="promote")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.manual_seed(0)
@@ -86,6 +95,11 @@ def main() -> None:
 
     readers = {"index_select": index_select, "dma": dma,
                **{f"triton_{n}": triton_reader(n) for n in (8, 16, 32, 132)}}
+    if args.direction == "demote":  # the device pool holds the tokens; they go to the host blocks
+        run = torch.arange(pool_blocks - blocks, pool_blocks)  # consecutive host blocks, for dma_runs
+        pool[:, :, slots_dev] = reference.cuda()
+        readers = _demotion_writers(mapped, host, pool, ids_dev, rows_in_gather, slots_dev, run, staging,
+                                    args.tokens)
 
     def timed(stream, fn):
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -106,11 +120,20 @@ def main() -> None:
         alone.append(s.elapsed_time(e))
     results["step_alone_ms"] = statistics.median(alone)
     for name, read in readers.items():
-        pool.zero_()
-        read()
-        torch.cuda.synchronize()
-        # Bit patterns, not values: random 16-bit patterns include NaNs, which never compare equal.
-        correct = bool(torch.equal(pool[:, :, device_slots.cuda()].cpu().view(torch.int16), reference.view(torch.int16)))
+        if args.direction == "demote":
+            host.zero_()
+            read()
+            torch.cuda.synchronize()
+            ids = run if name == "dma_runs" else block_ids
+            written = host[:, :, ids].transpose(3, 4).reshape(LAYERS, 2, -1, HKV, D)[:, :, :args.tokens]
+            correct = bool(torch.equal(written.view(torch.int16), reference.view(torch.int16)))
+        else:
+            pool.zero_()
+            read()
+            torch.cuda.synchronize()
+            # Bit patterns, not values: random 16-bit patterns include NaNs, which never compare equal.
+            correct = bool(torch.equal(pool[:, :, device_slots.cuda()].cpu().view(torch.int16),
+                                       reference.view(torch.int16)))
         times = {"read_alone": [], "step_after_read": [], "step_before_read": [], "read_after_step": []}
         for _ in range(args.repeats):
             rs, re_ = timed(moves, read)
@@ -135,6 +158,31 @@ def main() -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
+
+
+def _demotion_writers(mapped, host, pool, ids_dev, rows, slots_dev, run, staging, tokens):
+    """The ways a demotion can write the tokens at slots_dev into the host blocks ids_dev (dma_runs: into `run`)."""
+    layers, two, blocks, hkv, hbs, d = staging.shape
+
+    def in_host_layout():
+        tokens_ = pool.index_select(2, slots_dev)  # [L, 2, tokens, Hkv, D]
+        padded = torch.zeros((layers, two, blocks * hbs, hkv, d), dtype=pool.dtype, device=pool.device)
+        padded[:, :, :tokens] = tokens_
+        return padded.view(layers, two, blocks, hbs, hkv, d).transpose(3, 4)
+
+    def index_copy():
+        mapped.index_copy_(2, ids_dev, in_host_layout().contiguous())
+
+    def dma_runs():
+        staging.copy_(in_host_layout())
+        first = int(run[0])
+        for layer in range(layers):
+            for kv in range(two):
+                host[layer, kv, first:first + blocks].copy_(staging[layer, kv], non_blocking=True)
+
+    return {"index_copy": index_copy, "dma_runs": dma_runs,
+            **{f"triton_{n}": (lambda n=n: scatter_host_blocks(mapped, pool, ids_dev, rows, slots_dev, programs=n))
+               for n in (4, 8, 16, 32)}}
 
 
 if __name__ == "__main__":

@@ -185,6 +185,7 @@ class FakeRunner:
     step and a move's cost are waited for at once. Every token is 1."""
 
     promotes_beside_host_steps = True  # CUDA's mapped host pool: promotions run beside a host step in flight
+    demotes_beside_device_lane = False  # a demotion costs the device lane its modelled time (CostModel)
 
     def __init__(self, engine: llm_engine.LLMEngine, clock: SimClock, cost: CostModel):
         self.engine, self.clock, self.cost = engine, clock, cost

@@ -27,6 +27,10 @@ from offload_engine.engine.model_runner import ModelRunner
 
 
 class TensorParallelRunner:
+    # A demotion's copy beside the device lane frees its held blocks on rank 0's event alone, while every rank
+    # copies its own shard: each rank's copy stays in front of its next step instead.
+    demotes_beside_device_lane = False
+
     def __init__(self, model_dir: str, model_cfg, cfg, dtype, max_model_len: int):
         if dist.is_available() and dist.is_initialized():
             raise ValueError("tensor_parallel_size > 1 needs torch.distributed to itself, but this process already "

@@ -10,8 +10,13 @@ Prefix caching: a full block whose KV has been computed is registered under a ha
 before it. A later sequence with the same leading tokens reuses the block (the token ids are compared, so
 a hash collision can never serve wrong KV). Freed blocks keep their registration until they are handed out
 again, least recently freed first.
+
+Blocks a demotion frees are *held* until its copy has read them, where that copy runs beside the device lane's
+next steps (ModelRunner.demote): the blocks the scheduler hands out before the copy is queued, and a few more for
+the steps right after, go out first (`hand_out_held`: their part of the copy goes first and the device lane waits
+for it alone), the rest return to the free list when the copy's event has completed (`hold_until`, `reclaim`).
 """
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass
 
 from offload_engine.engine.sequence import BlockLocation, Sequence
@@ -35,16 +40,28 @@ class BlockPool:
         self.blocks = [Block(i) for i in range(num_blocks)]
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # chained hash -> block id
+        self.held: list[int] = []  # freed by a demotion whose copy is not queued yet: usable, copied first
+        self.handed_out: list[int] = []  # held blocks taken since (hand_out_held)
+        self.landing: deque[tuple[object, list[int]]] = deque()  # (the copy's event, the blocks it still reads)
+        self._landing_ids: set[int] = set()
 
     @property
     def num_free(self) -> int:
-        return len(self.free)
+        return len(self.free) + len(self.held)
+
+    @property
+    def num_landing(self) -> int:
+        return len(self._landing_ids)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
     def take_free(self) -> int:
-        block_id, _ = self.free.popitem(last=False)
+        if self.free:
+            block_id, _ = self.free.popitem(last=False)
+        else:  # a held block: its KV crosses first (hand_out_held)
+            block_id = self.held.pop()
+            self.handed_out.append(block_id)
         block = self.blocks[block_id]
         if block.hash is not None and self.cached.get(block.hash) == block_id:
             del self.cached[block.hash]
@@ -60,12 +77,47 @@ class BlockPool:
     def share(self, block_id: int) -> None:
         self.blocks[block_id].ref_count += 1
         self.free.pop(block_id, None)
+        if self.held and block_id in self.held:
+            self.held.remove(block_id)  # in use again: it must not be handed out (its copy only reads it)
 
-    def release(self, block_id: int) -> None:
+    def release(self, block_id: int, hold: bool = False) -> None:
+        """One user fewer; at none the block is free again, or with hold, held for a demotion's copy."""
         block = self.blocks[block_id]
         block.ref_count -= 1
         if block.ref_count == 0:
+            if hold:
+                self.held.append(block_id)
+            elif block_id not in self._landing_ids:  # (a landing block revived by a prefix hit: free once landed)
+                self.free[block_id] = None
+
+    def hand_out_held(self, spare: int) -> list[int]:
+        """The held blocks taken since they were held, and up to `spare` more put on the free list now (the
+        next steps' room while the rest cross): all of these must be copied before the device writes any."""
+        first, self.handed_out = self.handed_out, []
+        for _ in range(min(spare, len(self.held))):
+            block_id = self.held.pop()
             self.free[block_id] = None
+            first.append(block_id)
+        return first
+
+    def hold_until(self, landed) -> None:
+        """The held blocks return to the free list once `landed` (a CUDA event) has completed; at once if None."""
+        held, self.held = self.held, []
+        if landed is None:
+            self.free.update(dict.fromkeys(held))
+        elif held:
+            self.landing.append((landed, held))
+            self._landing_ids.update(held)
+
+    def reclaim(self, wait: bool = False) -> None:
+        """Frees the blocks whose copies have landed; with wait, first waits for all of them."""
+        while self.landing and (wait or self.landing[0][0].query()):
+            landed, blocks = self.landing.popleft()
+            landed.synchronize()
+            for block_id in blocks:
+                self._landing_ids.discard(block_id)
+                if self.blocks[block_id].ref_count == 0:
+                    self.free[block_id] = None
 
     def register(self, block_id: int, block_hash: int, token_ids: tuple[int, ...]) -> None:
         block = self.blocks[block_id]
@@ -172,15 +224,16 @@ class BlockManager:
         seq.block_table, seq.device_prefix, seq.location = [], [], None
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_device_tokens = 0
 
-    def move(self, seq: Sequence, location: BlockLocation) -> list[int]:
+    def move(self, seq: Sequence, location: BlockLocation, hold: bool = False) -> list[int]:
         """Re-homes a decoding sequence's computed KV on another tier: blocks there for its computed tokens (their
-        hashes registered), its old blocks released. Returns the old block table, whose blocks still hold the KV
-        until the next allocation: the caller copies it before anything else is scheduled."""
+        hashes registered), its old blocks released (with hold: held for the copy, BlockPool.hold_until). Returns
+        the old block table, whose blocks still hold the KV until the next allocation: the caller copies it before
+        anything else is scheduled."""
         assert not seq.is_split, "split sequences keep their parts (placement.promotions passes them over)"
         old_pool, new_pool = self.pools[seq.location], self.pools[location]
         old_table = seq.block_table
         for block_id in reversed(old_table):
-            old_pool.release(block_id)  # a registered block stays findable for prefix reuse on the old tier
+            old_pool.release(block_id, hold)  # a registered block stays findable for prefix reuse on the old tier
         seq.block_table = [new_pool.take_free() for _ in range(new_pool.blocks_for(seq.num_computed_tokens))]
         seq.location, seq.num_hashed_blocks = location, 0
         self.register_computed_blocks(seq)
@@ -202,6 +255,14 @@ class BlockManager:
         seq.num_device_tokens += tokens
         self.register_computed_blocks(seq)
         return DevicePartGrowth(seq, tokens, new), old
+
+    def settle(self, location: BlockLocation) -> bool:
+        """Waits for the demotion copies still reading this tier's freed blocks, if any: whether there were."""
+        pool = self.pools[location]
+        if not pool.num_landing:
+            return False
+        pool.reclaim(wait=True)
+        return True
 
     def can_append(self, seq: Sequence) -> bool:
         """Room for the newest token: a new block is needed only when it starts one."""

@@ -3,7 +3,7 @@
 Where the device addresses the pinned pool (HostKVPool.device_stacked), three kinds of device work touch host
 blocks, each on its own stream, each marked by a CUDA event once queued:
 - promotions read host blocks, on the moves stream (ModelRunner.promote): whatever writes host blocks next waits;
-- demotions write host blocks, on the device lane's stream (ModelRunner.demote);
+- demotions write host blocks, on the moves stream beside the device lane (or on its own stream: ModelRunner.demote);
 - host-tier prefill writes host blocks, on the prefill-writes stream (engine/host_block_writes.py).
 Work on the host (host kernels, prefix staging, unpinning) blocks on the events (`wait_*`); work on another stream
 waits for them on the device (`after_*`), without holding up the engine's thread. The events are read from both

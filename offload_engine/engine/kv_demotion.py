@@ -4,31 +4,32 @@ Demotion (engine/placement.py says when) moves a decoding device-tier sequence t
 device pool has no block for some sequence's next token: instead of being preempted and recomputed, it goes
 on decoding in the host lane. Its KV crosses PCIe once.
 
-On the device, the sequences' tokens are gathered from their token-major slots and laid out as the host
-tier's head-major blocks (one padded host block per `cpu_block_size` tokens). Then, two ways across:
-- `write_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_stacked): on the device lane's
-  stream, the device gathers the tokens into host-block layout and writes them straight into the host pool
-  over PCIe, a batch of layers per kernel (per layer it was ~280 launches; kv_promotion.py gives the time
-  saved). The engine's thread only queues them; the runner records when they are done, and the host lane and
-  every other reader of host blocks waits for that (ModelRunner.demote). Tried and dropped: the writes on the
-  "moves" stream beside the device lane's next steps, by a Triton copy on 8 SMs. Those steps took ~2.4 ms more
-  GPU time in all after each demotion, as on the lane's own stream with torch's all-SM copy (Qwen3-0.6B, ~1.5k
-  tokens each, H100 host, 2026-11-23, benchmarks/profile_timeline.py): neither the queueing nor the SMs are
-  what costs. On the lane's stream the writes are ordered before the step that reuses the freed blocks.
+Two ways across:
+- `write_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_stacked): the device writes the
+  tokens from their token-major slots straight into the host tier's head-major blocks over PCIe, on 8 programs
+  (kernels.scatter_host_blocks), on the "moves" stream beside the device lane's next steps. The device blocks
+  the next steps write into cross first, in a kernel of their own, and the device lane waits for that one alone;
+  the rest of the freed blocks are held until the whole copy has landed (BlockPool.hold_until). On the lane's own
+  stream, as before, every demotion held up the step behind it for its whole PCIe write: ~6.5 ms for a ~2k-token
+  row at 8B, 0.52-0.55 s of a 31-32 s run with ~80 demotions (H100 host, 2026-11-24, the step traces of
+  benchmarks/trace_placement.py). (An earlier try on the moves stream, a Triton copy on 8 SMs with the freed
+  blocks reusable at once, saved nothing at 0.6B; 2026-11-23, benchmarks/NOTES.md.) The engine's thread
+  only queues the kernels; the host lane and every other reader of host blocks waits for the copy's event.
   The staged way below took 47 ms of the engine's thread a demotion on the H100 host (8B, ~2k tokens each, 106
   demotions: 5.0 s of a 41 s run; 2026-11-22), waiting for staging slots whose host halves the executor frees
   only after the host lane's step, which holds it from start to end.
-- `copy_to_host` (any device): per group of layers, one copy takes the blocks to a staging slot's pinned half,
-  and on the host executor numba scatters them into the sequences' host blocks. That joins the executor's
-  queue, which every later reader of those host blocks (host decode, prefix staging, promotion) also goes
-  through, so nothing here waits for it.
-Either way the device half is queued on the device lane's stream before the step that reuses the freed device
-blocks, so it reads the KV before anything overwrites it.
+- `copy_to_host` (any device): the device gathers the tokens into host-block layout (one padded host block per
+  `cpu_block_size` tokens); per group of layers, one copy takes them to a staging slot's pinned half, and on the
+  host executor numba scatters them into the sequences' host blocks. That joins the executor's queue, which
+  every later reader of those host blocks (host decode, prefix staging, promotion) also goes through, so nothing
+  here waits for it. The device half is queued on the device lane's stream before the step that reuses the
+  freed device blocks, so it reads the KV before anything overwrites it.
 """
 import numpy as np
 import torch
 
 from cpu_attention.gather import scatter_blocks
+from kernels.host_block_copies import scatter_host_blocks
 from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for
@@ -46,24 +47,41 @@ def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.
 
 
 def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.Tensor, mapped_stacked: torch.Tensor,
-                 device_block_size: int, upload=None) -> None:
+                 device_block_size: int, upload=None, first_blocks=(), between=None) -> None:
     """moves as copy_to_host's; device_stacked: the device pool, [L, 2, blocks, block_size, Hkv, D];
-    mapped_stacked: the host pool as a tensor on the device, [L, 2, blocks, Hkv, host block size, D]. A batch of
-    layers at a time (GROUP_BYTES), three kernels gather the tokens into host-block layout and one writes them
-    across PCIe. Returns once they are queued on the current stream: nothing may read the host blocks before
-    they have run (ModelRunner.demote records when). upload(array) -> its copy on the device
+    mapped_stacked: the host pool as a tensor on the device, [L, 2, blocks, Hkv, host block size, D]. The tokens
+    held in `first_blocks` (device blocks) cross first, in one kernel (kernels.scatter_host_blocks), then
+    between() is called (the runner marks there what the device lane waits for), then the rest cross in another.
+    Returns once they are queued on the current stream: nothing may read the host blocks, nor write the device
+    blocks, before they have run (ModelRunner.demote records when). upload(array) -> its copy on the device
     (PinnedRing.upload); by default a plain copy."""
-    num_layers, _, _, num_kv_heads, host_block_size, head_dim = mapped_stacked.shape
     device = device_stacked.device
     upload = upload or (lambda array: torch.from_numpy(array).to(device))
-    slots, pad_rows, targets = map(upload, _plan(moves, host_block_size, device_block_size))
+    targets, rows, slots, first = _token_plan(moves, mapped_stacked.shape[4], device_block_size, set(first_blocks))
     token_slots = device_stacked.flatten(2, 3)  # [L, 2, blocks * block_size, Hkv, D]
-    layer_bytes = 2 * slots.numel() * num_kv_heads * head_dim * mapped_stacked.element_size()
-    group = max(1, GROUP_BYTES // max(1, layer_bytes))
-    for first in range(0, num_layers, group):
-        layers = slice(first, min(first + group, num_layers))
-        staged = _in_host_layout(token_slots[layers], slots, pad_rows, len(targets), host_block_size)
-        mapped_stacked[layers].index_copy_(2, targets, staged.contiguous())
+    targets = upload(targets)
+    if first.any():
+        scatter_host_blocks(mapped_stacked, token_slots, targets, upload(rows[first]), upload(slots[first]))
+    if between is not None:
+        between()
+    if not first.all():
+        scatter_host_blocks(mapped_stacked, token_slots, targets, upload(rows[~first]), upload(slots[~first]))
+
+
+def _token_plan(moves, host_block_size: int, device_block_size: int, first_blocks: set[int]):
+    """The host blocks written in order; each moved token's row among them, its device slot, and whether its
+    device block is one of first_blocks."""
+    targets, rows, slots, first = [], [], [], []
+    for seq, device_blocks in moves:
+        num_tokens = seq.num_computed_tokens
+        # Token t of this sequence goes to row (first block's place among the targets) * block size + t.
+        rows.append(len(targets) * host_block_size + np.arange(num_tokens))
+        targets += seq.block_table[: -(-num_tokens // host_block_size)]
+        slots.append(slots_for(device_blocks, device_block_size, 0, num_tokens))
+        in_first = np.array([block in first_blocks for block in device_blocks], dtype=bool)
+        first.append(np.repeat(in_first, device_block_size)[:num_tokens])
+    return (np.array(targets, dtype=np.int64), np.concatenate(rows), np.concatenate(slots).astype(np.int64),
+            np.concatenate(first))
 
 
 def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ head-major blocks:
   "moves" stream (kernels.gather_host_blocks) reads the tokens straight from host memory over PCIe into their
   new slots, every layer at once, on 16 programs. torch's index_select in its place took every SM for the
   whole transfer, and the device lane's step beside it waited as long: ~17 ms a 632 MB promotion in 8B step
-  traces, none on 16 programs (kernels/gather_host_blocks.py). The engine's thread only queues it, and nothing
+  traces, none on 16 programs (kernels/host_block_copies.py). The engine's thread only queues it, and nothing
   on the host copies.
   The staged way below took ~17 ms of that thread per promotion on the H100 host, waiting for the executor's
   gather and for the staging slots' copies behind the device lane's step (benchmarks/profile_timeline.py,
@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from cpu_attention.gather import gather_blocks
-from kernels.gather_host_blocks import gather_host_blocks
+from kernels.host_block_copies import gather_host_blocks
 from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.step_inputs import slots_for

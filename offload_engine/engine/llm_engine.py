@@ -48,6 +48,10 @@ from offload_engine.engine.sequence import BlockLocation, Sequence
 
 
 PROMOTION_GROUP_BYTES = 512 << 20  # of KV per promotion copy that lands on its own (LLMEngine._promote)
+# A demotion's copy beside the device lane lands within a step or two (~2k tokens of 8B KV, ~290 MB, at ~45 GB/s:
+# ~6.5 ms, against ~9.5 ms steps); the device rows start about rows / block_size new blocks a step. The freed
+# blocks for this many steps go out at once (their part of the copy first), the rest once it has landed.
+DEMOTION_SPARE_STEPS = 3
 
 
 @dataclass
@@ -115,6 +119,7 @@ class LLMEngine:
         stats = self._step()
         if not self.has_work():
             self.runner.check_host_writes(wait=True)  # settled before generate() returns: errors surface here
+            self.blocks.settle(BlockLocation.GPU)  # and the blocks demotions' copies read are free again
         return stats
 
     def _step(self) -> StepStats:
@@ -155,10 +160,12 @@ class LLMEngine:
             if self.scheduler.host_step_pays():
                 self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU, hold_back=hold_back))
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
-        demoted = self.scheduler.take_demotions()
+        # The old device blocks of rows demoted now that the next few steps may write: their copy goes first.
+        spare = DEMOTION_SPARE_STEPS * self.blocks.pool(BlockLocation.GPU).blocks_for(len(batch))
+        demoted, first_blocks = self.scheduler.take_demotions(spare)
         if demoted:
             began = time.perf_counter()
-            self.runner.demote(demoted)  # queued before the step that reuses their device blocks
+            self._demote(demoted, first_blocks)
             move_seconds += time.perf_counter() - began
         moved = (sum(move.num_computed_tokens for move, _ in moves + demoted), move_seconds)
         if moved[0] and not batch:
@@ -218,6 +225,17 @@ class LLMEngine:
             slower = self.device_step_seconds - idle if idle is not None else 0.0
             self.stats.move_done(step.moved[0], step.moved[1] + max(0.0, slower))
         return finished
+
+    def _demote(self, demoted: list[tuple[Sequence, list[int]]], first_blocks: list[int]) -> None:
+        """Queues the demoted rows' copies before the step that reuses their device blocks. Where the copy runs
+        beside the device lane (ModelRunner.demote), that step waits only for first_blocks' part, and the other
+        old blocks stay out of use until the whole copy has landed."""
+        pool = self.blocks.pool(BlockLocation.GPU)
+        if self.runner.demotes_beside_device_lane:
+            pool.hold_until(self.runner.demote(demoted, first_blocks))
+        else:
+            self.runner.demote(demoted)
+            pool.hold_until(None)
 
     def _promote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
         """Starts the promotions' copies, a group of at most PROMOTION_GROUP_BYTES of KV (or one sequence) at a

@@ -6,12 +6,13 @@ share of the KV heads and of the host's cores; the pool sizes each rank measures
 so a block id means the same on every rank.
 """
 import contextlib
+import os
 import time
 
 import torch
 
 from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
-from kernels.gather_host_blocks import compile_gather_host_blocks
+from kernels.host_block_copies import compile_host_block_copies
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
@@ -156,8 +157,8 @@ class ModelRunner:
         stacked = self.host_pool.device_stacked() if host_pool and self.device.type == "cuda" else None
         if stacked is not None:
             mapped = [tuple(layer) for layer in stacked]
-            # Promotions read it with a Triton kernel: compiled now, not inside a run's first promotion.
-            compile_gather_host_blocks(stacked, self.device_stacked.flatten(2, 3))
+            # Promotions read it and demotions write it with a Triton kernel: compiled now, not in a run's first move.
+            compile_host_block_copies(stacked, self.device_stacked.flatten(2, 3))
         for builder in (self.inputs, self.host_inputs):
             if builder is not None:
                 builder.direct_host_writes = mapped is not None
@@ -268,7 +269,7 @@ class ModelRunner:
                                self.move_staging)
             return None
         # Host-pool writes on the executor into these blocks have finished. Demotions' direct writes need no wait
-        # on this thread: they are on the device lane's stream, which the reads below wait for on the device.
+        # on this thread: they are on this stream or the device lane's, which the reads below wait for.
         self._settle_executor_writes()
         with torch.inference_mode(), torch.cuda.stream(self.moves_stream):
             # The new device blocks were freed by rows that steps queued on the device lane may still read.
@@ -277,23 +278,56 @@ class ModelRunner:
             read_mapped(moves, mapped, self.device_stacked, self.cfg.block_size, self._upload)
             return self.accesses.record("promotion_reads")
 
-    def demote(self, moves: list[tuple[Sequence, list[int]]]) -> None:
+    @property
+    def demotes_beside_device_lane(self) -> bool:
+        """Whether demote runs its copy beside the device lane's next steps (it takes first_blocks): where the
+        device writes the pinned pool directly. OFFLOAD_ENGINE_DEMOTE_BESIDE=0 queues it in front of the next step
+        instead, as before (for side-by-side measurement)."""
+        return (self.moves_stream is not None and self.host_pool is not None
+                and self.host_pool.device_stacked() is not None
+                and os.environ.get("OFFLOAD_ENGINE_DEMOTE_BESIDE", "1") != "0")
+
+    def demote(self, moves: list[tuple[Sequence, list[int]]], first_blocks: list[int] | None = None):
         """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
         device has the copies queued: where the device writes the pinned pool directly, everything that reads
         host blocks on the host waits for them first (HostPoolAccesses.wait_writes); otherwise the host writes finish
-        on the executor, in front of every such reader (engine/kv_demotion.py)."""
+        on the executor, in front of every such reader (engine/kv_demotion.py).
+
+        With first_blocks (demotes_beside_device_lane): the copy runs on the moves stream beside the device lane's
+        next steps. The tokens in first_blocks, the old device blocks those steps may write, cross first and the
+        device lane's stream waits for them alone; the CUDA event that marks the whole copy done is returned, and
+        the other old blocks stay out of use until it has completed (BlockPool.hold_until). Otherwise the copy is
+        queued on the device lane's stream, in front of the next step, and this returns None."""
         from offload_engine.engine.kv_demotion import copy_to_host, write_mapped
 
         mapped = self.host_pool.device_stacked()
+        if first_blocks is not None and self.demotes_beside_device_lane:
+            device_lane = self.streams["device"]
+
+            def first_blocks_crossed():
+                crossed = torch.cuda.Event()
+                crossed.record(self.moves_stream)
+                device_lane.wait_event(crossed)
+
+            with torch.inference_mode(), torch.cuda.stream(self.moves_stream):
+                # The steps queued so far write these rows' last tokens; promotions' reads of host blocks are
+                # queued on this stream already.
+                self.moves_stream.wait_stream(device_lane)
+                self.accesses.after_prefill_writes()  # the host blocks may be ones an aborted prefill still writes
+                write_mapped(moves, self.device_stacked, mapped, self.cfg.block_size, self._upload, first_blocks,
+                             between=first_blocks_crossed)
+                return self.accesses.record("demotion_writes")
         with torch.inference_mode(), self._lane_stream("device"):
             self.accesses.after_promotion_reads()  # the host blocks written here may be ones a promotion still reads
             self.accesses.after_prefill_writes()  # or ones an aborted prefill still writes
             if mapped is None:
                 self._host_writes += copy_to_host(moves, self.device_stacked, self.host_pool.layers, self.executor,
                                                   self.cfg.block_size, self.move_staging)
-                return
-            write_mapped(moves, self.device_stacked, mapped, self.cfg.block_size, self._upload)
+                return None
+            write_mapped(moves, self.device_stacked, mapped, self.cfg.block_size, self._upload,
+                         first_blocks=[b for _, blocks in moves for b in blocks])  # all in one kernel
             self.accesses.record("demotion_writes")
+            return None
 
     def _record_prefill_writes(self) -> None:
         """After a prefill step with host-tier rows: marks where its direct writes into host blocks end."""

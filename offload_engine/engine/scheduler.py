@@ -58,6 +58,7 @@ class Scheduler:
     def schedule_prefill(self) -> list[Sequence]:
         """Prompt chunks for the next step (running prefills first, then admissions); empty if none. A prefill in
         flight (its chunk on the prefill lane, or its KV crossing: engine/prefill_lane.py) waits until it is back."""
+        self.blocks.pool(BlockLocation.GPU).reclaim()  # device blocks whose demotion copies have landed
         budget, batch = self.max_num_batched_tokens, []
         for seq in self.running:
             if seq.in_prefill and not seq.in_flight and budget > 0:
@@ -104,6 +105,8 @@ class Scheduler:
             if seq.seq_id in hold_back or seq.tokens_left <= 0:
                 continue  # (no tokens left: a device step in flight samples its last one; resolve finishes it)
             while not self.blocks.can_append(seq):
+                if self.blocks.settle(seq.location):
+                    continue  # blocks a demotion's copy was still reading are free now: no need to free more
                 victim = self._newest_on_tier(seq)
                 self._make_room(victim)
                 if victim is seq:
@@ -121,11 +124,14 @@ class Scheduler:
         device_rows = sum(s.location == BlockLocation.GPU for s in decoding)
         return placement.host_step_pays(host, device_rows, self.stats)
 
-    def take_demotions(self) -> list[tuple[Sequence, list[int]]]:
-        """The sequences schedule_decode demoted, each with the device blocks that still hold its KV until the
-        next device step writes into them: the engine queues their copy before that step."""
+    def take_demotions(self, spare_blocks: int = 0) -> tuple[list[tuple[Sequence, list[int]]], list[int]]:
+        """The sequences schedule_decode demoted, each with the device blocks that still hold its KV, and which of
+        those blocks the device may write from the next step on: the ones this step took and `spare_blocks` more
+        (BlockPool.hand_out_held). The engine queues the copy of those before that step, and then binds the rest
+        to the copy's event (BlockPool.hold_until)."""
         demotions, self.demotions = self.demotions, []
-        return demotions
+        first = self.blocks.pool(BlockLocation.GPU).hand_out_held(spare_blocks) if demotions else []
+        return demotions, first
 
     def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
         """Host-tier sequences to move into the device pool now (engine/placement.py picks them), each with the
@@ -136,6 +142,7 @@ class Scheduler:
         host step)."""
         if not self.kv_promotion:
             return []
+        self.blocks.pool(BlockLocation.GPU).reclaim()
         moves = [(seq, self.blocks.move(seq, BlockLocation.GPU)) for seq in promotions(self.running, self.blocks)]
         for seq, _ in moves:
             seq.promoted = True
@@ -170,6 +177,7 @@ class Scheduler:
                 and not s.in_prefill and s.status == SequenceStatus.RUNNING]
         needs = {s.seq_id: pool.blocks_for(len(s)) > len(s.block_table) for s in rows}
         needed = sum(needs.values())
+        pool.reclaim(wait=needed > pool.num_free)  # rather than demote, wait for a demotion's copy to land
         if needed <= pool.num_free:
             return  # the common step: room for every row, nothing to order
         for victim in demotion_order(rows):
@@ -192,7 +200,8 @@ class Scheduler:
         """Frees a decoding sequence's blocks on its tier: demoted to the host tier where placement says so,
         else preempted."""
         if victim.location == BlockLocation.GPU and demotes(victim, self.kv_placement, self.blocks):
-            self.demotions.append((victim, self.blocks.move(victim, BlockLocation.CPU)))
+            # Its device blocks are held for the copy (BlockPool.hold_until): the engine hands them out.
+            self.demotions.append((victim, self.blocks.move(victim, BlockLocation.CPU, hold=True)))
             victim.demoted = True
             self.num_demotions += 1
         else:

@@ -73,3 +73,73 @@ def test_append_needs_a_block_only_at_a_boundary():
     assert blocks.can_append(seq)
     seq.token_ids.append(11)
     assert not blocks.can_append(seq)
+
+
+class _Copy:
+    """Stands in for a demotion copy's CUDA event."""
+
+    def __init__(self):
+        self.done = False
+        self.waited = 0
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        self.waited += 1
+        self.done = True
+
+
+def test_a_demotions_freed_blocks_are_held_until_its_copy_lands_except_those_handed_out_first():
+    blocks = BlockManager(num_gpu_blocks=9, block_size=4, num_cpu_blocks=8, cpu_block_size=4)
+    gpu = blocks.pool(GPU)
+    staying, demoted = _seq(list(range(14))), _seq(list(range(100, 120)))
+    blocks.allocate(staying, GPU)  # 4 blocks
+    blocks.allocate(demoted, GPU)  # 5 blocks: the pool is full
+    assert gpu.num_free == 0
+    demoted.num_computed_tokens = 20
+    old = blocks.move(demoted, CPU, hold=True)
+    assert len(old) == 5 and gpu.num_free == 5 and not gpu.free  # usable now, but held
+    taken = gpu.take_free()  # the step's new block: a held one, so its KV must cross first
+    first = gpu.hand_out_held(spare=2)
+    assert first[0] == taken and len(first) == 3 and set(first) <= set(old)
+    assert set(gpu.free) == set(first[1:]) and gpu.num_free == 4  # (two still held: usable until bound)
+    copy = _Copy()
+    gpu.hold_until(copy)
+    assert gpu.num_free == 2 and gpu.num_landing == 2  # the other two wait for the copy
+    gpu.reclaim()
+    assert gpu.num_free == 2  # not landed yet
+    copy.done = True
+    gpu.reclaim()
+    assert gpu.num_free == 4 and gpu.num_landing == 0 and copy.waited == 1
+
+
+def test_a_landing_block_revived_by_a_prefix_hit_is_freed_only_after_it_has_landed():
+    blocks = BlockManager(num_gpu_blocks=4, block_size=4, num_cpu_blocks=8, cpu_block_size=4)
+    gpu = blocks.pool(GPU)
+    demoted = _seq(list(range(9)))
+    blocks.allocate(demoted, GPU)
+    _computed(blocks, demoted)  # its two full blocks registered
+    old = blocks.move(demoted, CPU, hold=True)
+    assert gpu.hand_out_held(spare=0) == []
+    copy = _Copy()
+    gpu.hold_until(copy)
+    same = _seq(list(range(9)))
+    blocks.allocate(same, GPU)  # the registered blocks are found again while their copy still reads them
+    assert same.block_table[:2] == old[:2] and same.num_computed_tokens == 8
+    blocks.deallocate(same)  # released again before the copy has landed: still not free
+    assert set(gpu.free).isdisjoint(old)
+    assert blocks.settle(GPU) and copy.waited == 1
+    assert gpu.num_free == 4 and not blocks.settle(GPU)
+
+
+def test_without_a_copy_beside_the_device_lane_held_blocks_are_free_at_once():
+    blocks = BlockManager(num_gpu_blocks=4, block_size=4, num_cpu_blocks=8, cpu_block_size=4)
+    demoted = _seq(list(range(9)))
+    blocks.allocate(demoted, GPU)
+    demoted.num_computed_tokens = 9
+    blocks.move(demoted, CPU, hold=True)
+    gpu = blocks.pool(GPU)
+    gpu.hand_out_held(spare=0)
+    gpu.hold_until(None)
+    assert gpu.num_free == 4 and gpu.num_landing == 0 and len(gpu.free) == 4

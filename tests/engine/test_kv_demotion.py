@@ -17,10 +17,11 @@ GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-# Staged or written directly by the device (the pool's twin on the test device stands in for the pinned pool
-# that CUDA maps: HostKVPool.device_stacked), with a layer per group or every layer in one group.
-@pytest.mark.parametrize("way", ["staged, group per layer", "staged, one group", "mapped, group per layer",
-                                 "mapped, one group"])
+# Staged (a layer per group or every layer in one group) or written directly by the device (the pool's twin on
+# the test device stands in for the pinned pool that CUDA maps: HostKVPool.device_stacked), in one kernel or with
+# the device blocks the next steps reuse first.
+@pytest.mark.parametrize("way", ["staged, group per layer", "staged, one group", "mapped, one kernel",
+                                 "mapped, reused blocks first"])
 def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatch):
     group_bytes = 1 << 30 if way.endswith("one group") else 1
     monkeypatch.setattr(kv_demotion, "GROUP_BYTES", group_bytes)
@@ -42,7 +43,13 @@ def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatc
     with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
         if way.startswith("mapped"):
             mapped = torch.stack([torch.stack(layer) for layer in host]).to(TEST_DEVICE)
-            kv_demotion.write_mapped(moves, device_stacked, mapped, dev_bs)
+            # Blocks of all three sequences, the first, a middle and the last of one: ones the next steps reuse.
+            first = [9, 0, 4, 19] if way.endswith("first") else []
+            at_between = []
+            kv_demotion.write_mapped(moves, device_stacked, mapped, dev_bs, first_blocks=first,
+                                     between=lambda: at_between.append(mapped.cpu().clone()))
+            assert len(at_between) == 1
+            _assert_only_first_blocks_crossed(at_between[0], original, moves, set(first), dev_bs)
             for layer, pair in enumerate(host):
                 for which, cache in enumerate(pair):
                     cache.copy_(mapped[layer, which].cpu())
@@ -71,6 +78,21 @@ def test_demotion_then_promotion_gives_back_the_same_bits(dtype, way, monkeypatc
                 want = _tokens_of(original[layer][which].cpu(), dev_tables[lengths.index(n)], n, head_major=False)
                 got = _tokens_of(device[layer][which].cpu(), seq.block_table, n, head_major=False)
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+
+
+def _assert_only_first_blocks_crossed(host_stacked, original, moves, first, dev_bs):
+    """When write_mapped calls between(): a token is in its host row iff its device block is one of `first`."""
+    for seq, dev_table in moves:
+        host_bs = host_stacked.shape[4]
+        for t in range(seq.num_computed_tokens):
+            block, row = seq.block_table[t // host_bs], t % host_bs
+            got = host_stacked[:, :, block, :, row]  # [L, 2, Hkv, D]
+            want = torch.stack([torch.stack([pair[w][dev_table[t // dev_bs], t % dev_bs].cpu() for w in (0, 1)])
+                                for pair in original])
+            if dev_table[t // dev_bs] in first:
+                assert torch.equal(got, want)
+            else:
+                assert torch.isnan(got.float()).all()
 
 
 def _run(model_dir, prompts, max_tokens, **kwargs):
@@ -169,7 +191,7 @@ def test_demotion_takes_the_row_nearest_its_end_and_promotion_the_row_furthest_f
     # Three device rows fill the pool and each needs a third block now: demoting one (2 blocks) makes room.
     old, near_end, new = (_decoding(scheduler, blocks, 8, left, GPU) for left in (20, 3, 12))
     assert scheduler.schedule_decode(GPU) == [old, new]
-    assert [seq for seq, _ in scheduler.take_demotions()] == [near_end] and near_end.location == CPU
+    assert [seq for seq, _ in scheduler.take_demotions()[0]] == [near_end] and near_end.location == CPU
     # Among equals the newest goes, as "gpu" preempts.
     blocks = BlockManager(num_gpu_blocks=6, block_size=4, num_cpu_blocks=16, cpu_block_size=4)
     scheduler = Scheduler(blocks, "auto", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
@@ -185,6 +207,32 @@ def test_demotion_takes_the_row_nearest_its_end_and_promotion_the_row_furthest_f
     assert blocks.pool(GPU).num_free == 5  # room for the budget of one row of 9 tokens with 9 to go (18 tokens)
     assert [seq for seq, _ in scheduler.schedule_promotions()] == [many_left]
     assert few_left.location == rows[2].location == CPU  # rows[2]: 5 tokens left
+
+
+def test_a_full_pool_waits_for_a_demotions_copy_rather_than_demoting_again():
+    from offload_engine.engine.scheduler import Scheduler
+    from tests.engine.test_block_manager import _Copy
+
+    blocks = BlockManager(num_gpu_blocks=8, block_size=4, num_cpu_blocks=16, cpu_block_size=4)
+    scheduler = Scheduler(blocks, "auto", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                          eos_token_ids=(), kv_promotion=False)
+    # Two rows of 2 blocks and one of 4 fill the pool, and each needs a block now: the one nearest its end goes.
+    first_row, near_end, last_row = (_decoding(scheduler, blocks, n, left, GPU) for n, left in ((8, 20), (16, 3),
+                                                                                                   (8, 12)))
+    assert scheduler.schedule_decode(GPU) == [first_row, last_row]
+    demoted, first = scheduler.take_demotions(spare_blocks=0)
+    assert [seq for seq, _ in demoted] == [near_end] and sorted(first) == sorted(
+        first_row.block_table[-1:] + last_row.block_table[-1:])  # the two blocks this step took
+    copy = _Copy()
+    blocks.pool(GPU).hold_until(copy)
+    assert blocks.pool(GPU).num_free == 0 and blocks.pool(GPU).num_landing == 2
+    # Four tokens on, both rows need a block again and none is free: the scheduler waits for the copy, whose two
+    # blocks are then free, instead of demoting another row.
+    for seq in (first_row, last_row):
+        seq.token_ids += [7] * 4
+        seq.num_computed_tokens = len(seq) - 1
+    assert scheduler.schedule_decode(GPU) == [first_row, last_row]
+    assert copy.waited == 1 and scheduler.num_demotions == 1 and scheduler.num_preemptions == 0
 
 
 def test_moves_split_so_one_layer_of_a_batch_fits_a_staging_slot(monkeypatch):

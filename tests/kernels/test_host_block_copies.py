@@ -1,0 +1,59 @@
+"""gather_host_blocks moves each token of a promotion from its head-major host block into its device slot, and
+scatter_host_blocks each token of a demotion the other way, in every layer, K and V; neither touches anything else."""
+import pytest
+import torch
+
+from kernels.host_block_copies import gather_host_blocks, scatter_host_blocks
+from tests.reference import on_test_device
+
+
+def reference(host, token_slots, blocks, rows, slots, to_host):
+    """A plain loop: token t is host block blocks[rows[t] // B], offset rows[t] % B, and device slot slots[t]."""
+    host, token_slots = host.clone(), token_slots.clone()
+    host_block = host.shape[4]
+    for row, slot in zip(rows.tolist(), slots.tolist()):
+        block = blocks[row // host_block].item()
+        if to_host:
+            host[:, :, block, :, row % host_block] = token_slots[:, :, slot]
+        else:
+            token_slots[:, :, slot] = host[:, :, block, :, row % host_block]
+    return host, token_slots
+
+
+@pytest.mark.parametrize("to_host", (False, True), ids=("gather", "scatter"))
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+@pytest.mark.parametrize("num_kv_heads,host_block,head_dim", [(2, 4, 64), (3, 8, 24), (1, 16, 128)])
+def test_every_token_lands_in_its_place_and_nothing_else_moves(to_host, dtype, num_kv_heads, host_block, head_dim):
+    gen = torch.Generator().manual_seed(11)
+    layers, host_blocks, device_slots = 3, 10, 64
+    # Random (never zero) pools: an untouched slot or host row must keep its exact old value.
+    host = torch.randn((layers, 2, host_blocks, num_kv_heads, host_block, head_dim), generator=gen).to(dtype)
+    token_slots = torch.randn((layers, 2, device_slots, num_kv_heads, head_dim), generator=gen).to(dtype)
+    # Two sequences, as kv_promotion._plan and kv_demotion._plan lay them out: 2.5 and 1 host blocks (partial last
+    # blocks), their host blocks scattered, their tokens in scattered slots.
+    lengths = (2 * host_block + host_block // 2, host_block - 1)
+    blocks = torch.randperm(host_blocks, generator=gen)[:3 + 1]
+    rows = torch.cat([torch.arange(lengths[0]), 3 * host_block + torch.arange(lengths[1])])
+    slots = torch.randperm(device_slots, generator=gen)[:rows.shape[0]]
+    want_host, want_slots = reference(host, token_slots, blocks, rows, slots, to_host)
+
+    host, token_slots, blocks, rows, slots = on_test_device(host, token_slots, blocks, rows, slots)
+    copy = scatter_host_blocks if to_host else gather_host_blocks
+    copy(host, token_slots, blocks, rows, slots, programs=3)  # fewer programs than units
+    assert torch.equal(host.cpu(), want_host) and torch.equal(token_slots.cpu(), want_slots)
+
+
+@pytest.mark.parametrize("copy", (gather_host_blocks, scatter_host_blocks))
+def test_no_tokens_is_a_no_op_and_bad_shapes_are_refused(copy):
+    host = torch.randn((2, 2, 4, 2, 8, 16))
+    token_slots = torch.randn((2, 2, 16, 2, 16))
+    before = host.clone(), token_slots.clone()
+    empty = torch.zeros(0, dtype=torch.int64)
+    copy(host, token_slots, empty, empty, empty)
+    assert torch.equal(host, before[0]) and torch.equal(token_slots, before[1])
+    with pytest.raises(ValueError, match="token_slots must be"):
+        copy(host, torch.randn((2, 2, 16, 3, 16)), empty, empty, empty)
+    with pytest.raises(ValueError, match="rows must be"):
+        copy(host, token_slots, empty, empty.int(), empty)
+    with pytest.raises(ValueError, match="one dtype"):
+        copy(host, token_slots.half(), empty, empty, empty)
