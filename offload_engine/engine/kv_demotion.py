@@ -51,7 +51,8 @@ def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.
     """moves as copy_to_host's; device_stacked: the device pool, [L, 2, blocks, block_size, Hkv, D];
     mapped_stacked: the host pool as a tensor on the device, [L, 2, blocks, Hkv, host block size, D]. The tokens
     held in `first_blocks` (device blocks) cross first, in one kernel (kernels.scatter_host_blocks), then
-    between() is called (the runner marks there what the device lane waits for), then the rest cross in another.
+    between() is called (the runner marks there what the device lane waits for; not called where none are), then
+    the rest cross in another.
     Returns once they are queued on the current stream: nothing may read the host blocks, nor write the device
     blocks, before they have run (ModelRunner.demote records when). upload(array) -> its copy on the device
     (PinnedRing.upload); by default a plain copy."""
@@ -62,8 +63,8 @@ def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.
     targets = upload(targets)
     if first.any():
         scatter_host_blocks(mapped_stacked, token_slots, targets, upload(rows[first]), upload(slots[first]))
-    if between is not None:
-        between()
+        if between is not None:
+            between()
     if not first.all():
         scatter_host_blocks(mapped_stacked, token_slots, targets, upload(rows[~first]), upload(slots[~first]))
 
