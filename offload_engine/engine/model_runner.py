@@ -6,7 +6,6 @@ share of the KV heads and of the host's cores; the pool sizes each rank measures
 so a block id means the same on every rank.
 """
 import contextlib
-import os
 import time
 
 import torch
@@ -16,6 +15,7 @@ from kernels.host_block_copies import compile_host_block_copies
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
+from offload_engine.engine import tier_moves
 from offload_engine.engine.cuda_streams import engine_stream
 from offload_engine.engine.deferred_tokens import DeferredTokens
 from offload_engine.engine.device_decode import DeviceLaneDecode
@@ -249,85 +249,16 @@ class ModelRunner:
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
 
+    # ---- moves between the tiers (engine/tier_moves.py) ---------------------------------------------------
     def promote(self, moves: list[tuple[Sequence, list[int]]]):
-        """Copies promoted sequences' KV from their old host blocks into their new device blocks.
-
-        Where the device reads the pinned pool directly (kv_promotion.read_mapped), the reads only get queued, on
-        the "moves" stream beside the device lane's steps, and the CUDA event that marks them done is returned:
-        the sequences must not decode before it (LLMEngine holds them out), and whatever writes host blocks or
-        reads device blocks by prefix reuse waits for it (run, demote), since the old host blocks may be handed
-        out again at once and the new device blocks are registered for reuse already. On the device lane's own
-        stream the reads held up every step behind them: 13.5 ms of a 600 MB promotion, ~0.3-0.4 s of device
-        time in a 10-37 s run at 8B (H100 host, 2026-11-22, benchmarks/NOTES.md). Otherwise the copy is done
-        when this returns, and it returns None."""
-        from offload_engine.engine.kv_promotion import copy_to_device, read_mapped
-
-        mapped = self.host_pool.device_stacked()
-        if mapped is None:
-            with torch.inference_mode(), self._lane_stream("device"):
-                copy_to_device(moves, self.host_pool.layers, self.device_stacked, self.executor, self.cfg.block_size,
-                               self.move_staging)
-            return None
-        # Host-pool writes on the executor into these blocks have finished. Demotions' direct writes need no wait
-        # on this thread: they are on this stream or the device lane's, which the reads below wait for.
-        self._settle_executor_writes()
-        with torch.inference_mode(), torch.cuda.stream(self.moves_stream):
-            # The new device blocks were freed by rows that steps queued on the device lane may still read.
-            self.moves_stream.wait_stream(self.streams["device"])
-            self.accesses.after_prefill_writes()  # a host-tier prompt's KV may still be crossing to its host blocks
-            read_mapped(moves, mapped, self.device_stacked, self.cfg.block_size, self._upload)
-            return self.accesses.record("promotion_reads")
+        return tier_moves.promote(self, moves)
 
     @property
     def demotes_beside_device_lane(self) -> bool:
-        """Whether demote runs its copy beside the device lane's next steps (it takes first_blocks): where the
-        device writes the pinned pool directly. OFFLOAD_ENGINE_DEMOTE_BESIDE=0 queues it in front of the next step
-        instead, as before (for side-by-side measurement)."""
-        return (self.moves_stream is not None and self.host_pool is not None
-                and self.host_pool.device_stacked() is not None
-                and os.environ.get("OFFLOAD_ENGINE_DEMOTE_BESIDE", "1") != "0")
+        return tier_moves.demotes_beside_device_lane(self)
 
     def demote(self, moves: list[tuple[Sequence, list[int]]], first_blocks: list[int] | None = None):
-        """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
-        device has the copies queued: where the device writes the pinned pool directly, everything that reads
-        host blocks on the host waits for them first (HostPoolAccesses.wait_writes); otherwise the host writes finish
-        on the executor, in front of every such reader (engine/kv_demotion.py).
-
-        With first_blocks (demotes_beside_device_lane): the copy runs on the moves stream beside the device lane's
-        next steps. The tokens in first_blocks, the old device blocks those steps may write, cross first and the
-        device lane's stream waits for them alone; the CUDA event that marks the whole copy done is returned, and
-        the other old blocks stay out of use until it has completed (BlockPool.hold_until). Otherwise the copy is
-        queued on the device lane's stream, in front of the next step, and this returns None."""
-        from offload_engine.engine.kv_demotion import copy_to_host, write_mapped
-
-        mapped = self.host_pool.device_stacked()
-        if first_blocks is not None and self.demotes_beside_device_lane:
-            device_lane = self.streams["device"]
-
-            def first_blocks_crossed():
-                crossed = torch.cuda.Event()
-                crossed.record(self.moves_stream)
-                device_lane.wait_event(crossed)
-
-            with torch.inference_mode(), torch.cuda.stream(self.moves_stream):
-                # The steps queued so far write these rows' last tokens; promotions' reads of host blocks are
-                # queued on this stream already.
-                self.moves_stream.wait_stream(device_lane)
-                self.accesses.after_prefill_writes()  # the host blocks may be ones an aborted prefill still writes
-                write_mapped(moves, self.device_stacked, mapped, self.cfg.block_size, self._upload, first_blocks,
-                             between=first_blocks_crossed)
-                return self.accesses.record("demotion_writes")
-        with torch.inference_mode(), self._lane_stream("device"):
-            self.accesses.after_promotion_reads()  # the host blocks written here may be ones a promotion still reads
-            self.accesses.after_prefill_writes()  # or ones an aborted prefill still writes
-            if mapped is None:
-                self._host_writes += copy_to_host(moves, self.device_stacked, self.host_pool.layers, self.executor,
-                                                  self.cfg.block_size, self.move_staging)
-                return None
-            write_mapped(moves, self.device_stacked, mapped, self.cfg.block_size, self._upload,
-                         first_blocks=[b for _, blocks in moves for b in blocks])  # all in one kernel
-            self.accesses.record("demotion_writes")
-            return None
+        return tier_moves.demote(self, moves, first_blocks)
 
     def _record_prefill_writes(self) -> None:
         """After a prefill step with host-tier rows: marks where its direct writes into host blocks end."""
