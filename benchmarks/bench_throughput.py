@@ -21,7 +21,7 @@ import torch
 
 from benchmarks.engine_run import measure, random_prompts
 from benchmarks.peers import hf_generate
-from benchmarks.workloads import PROFILES, BeyondVram, Profile
+from benchmarks.workloads import PROFILES, BeyondVram, Profile, mixed_lengths
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -290,6 +290,8 @@ def main(argv: list[str] | None = None) -> None:
     single.add_argument("--num-seqs", type=int, default=64)
     single.add_argument("--prompt-len", type=int, default=512)
     single.add_argument("--output-len", type=int, default=128)
+    single.add_argument("--spread", type=float, default=0.0,
+                        help="lengths uniform in [L(1 - spread), L(1 + spread)] around --prompt-len / --output-len")
     single.add_argument("--kv-placement", default="gpu")
     single.add_argument("--num-gpu-blocks", type=int, default=None)
     single.add_argument("--cpu-kv-cache-gb", type=float, default=None)
@@ -302,12 +304,12 @@ def main(argv: list[str] | None = None) -> None:
                   args.b_names)
         return
     path = model_dir(args.model, args.model_cache)
-    result = measure(path, random_prompts([args.prompt_len] * args.num_seqs, 10000), [args.output_len] * args.num_seqs,
-                     kv_placement=args.kv_placement, num_gpu_blocks=args.num_gpu_blocks,
+    prompt_lens, output_lens = mixed_lengths(args.num_seqs, args.prompt_len, args.output_len, args.spread)
+    result = measure(path, random_prompts(prompt_lens, 10000), output_lens, kv_placement=args.kv_placement, num_gpu_blocks=args.num_gpu_blocks,
                      cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_model_len=args.max_model_len,
                      max_num_seqs=args.max_num_seqs)
     result.update(model=args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
-                  kv_placement=args.kv_placement, device_name=device_slug(), torch=torch.__version__,
+                  spread=args.spread, kv_placement=args.kv_placement, device_name=device_slug(), torch=torch.__version__,
                   host_cores=os.cpu_count())
     print(json.dumps(result, indent=2))
     if args.out:

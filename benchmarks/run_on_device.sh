@@ -2,8 +2,8 @@
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
-#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-paired, amx-probe, placement-8b, multi-gpu,
-#   multi-gpu-tp
+#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-paired, amx-probe, placement-8b,
+#   placement-mixed, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
@@ -100,6 +100,18 @@ case "${1:-check}" in
     for run in 1 2 3; do
       step trace_96_auto_r$run 150 python3 -m benchmarks.trace_placement auto --num-seqs 96 --cpu-kv-cache-gb 44 \
         --out "$OUT/trace_96_3296_auto_r$run.json"
+    done
+    ;;
+  placement-mixed)  # issue 10, off the suite: mixed lengths (each uniform in L x [0.5, 1.5]), gpu then auto, at the
+    # points the replay (simulate_placement.py --mixed) puts lowest, and decode-heavy 8B at a 24 GB card's room
+    for point in "qwen3-8b 32 4096 128 1056 44 6336" "qwen3-0.6b 64 2048 256 2304 24 3456" \
+                 "qwen3-8b 64 1024 1024 3296 44 3072"; do
+      set -- $point
+      for placement in gpu auto; do
+        step mixed_$1_$2x$3+$4_$5_$placement 240 python3 benchmarks/bench_throughput.py single --model $1 --num-seqs $2 \
+          --prompt-len $3 --output-len $4 --spread 0.5 --num-gpu-blocks $5 --cpu-kv-cache-gb $6 --max-model-len $7 \
+          --kv-placement $placement --out "$OUT/mixed_$1_$2x$3+$4_$5_$placement.json"
+      done
     done
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)

@@ -18,18 +18,22 @@ device runs decide. (It predicted 1.07 for the demotion order of d2e1354 at the
 point above; the device measured 0.84, because demotions' staged copies then held the engine's thread 47 ms
 each, and 1.01 once they no longer did.)
 
-    PYTHONPATH=. python -m benchmarks.simulate_placement [--out PATH]
+    PYTHONPATH=. python -m benchmarks.simulate_placement [--mixed] [--out PATH]
     PYTHONPATH=. python -m benchmarks.simulate_placement --model qwen3-8b --num-seqs 64 --prompt-len 1024 \\
-        --output-len 1024 --num-gpu-blocks 3296
+        --output-len 1024 --num-gpu-blocks 3296 [--spread 0.5]
+
+`--mixed` replays the suite's points with lengths spread around their means (workloads.mixed_lengths): a real
+batch's requests end at different steps, so device room frees a row at a time instead of all at once.
 """
 import argparse
 import json
 import random
 import statistics
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from types import SimpleNamespace
 
+from benchmarks.workloads import mixed_lengths
 from offload_engine.engine import llm_engine
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
@@ -92,10 +96,21 @@ class Point:
     prompt_len: int
     output_len: int
     num_gpu_blocks: int
+    spread: float = 0.0  # lengths uniform in [L(1 - spread), L(1 + spread)] (benchmarks.workloads.mixed_lengths)
 
     @property
     def workload(self) -> str:
-        return f"{self.num_seqs} x ({self.prompt_len}+{self.output_len})"
+        mixed = f" ~{self.spread:g}" if self.spread else ""
+        return f"{self.num_seqs} x ({self.prompt_len}+{self.output_len}){mixed}"
+
+    @property
+    def lengths(self) -> tuple[list[int], list[int]]:
+        return mixed_lengths(self.num_seqs, self.prompt_len, self.output_len, self.spread)
+
+    @property
+    def max_model_len(self) -> int:
+        prompts, outputs = self.lengths
+        return max(p + o for p, o in zip(prompts, outputs))
 
 
 # The full device profile's prefill-heavy and decode-heavy points, each at several device budgets.
@@ -239,7 +254,7 @@ def build_engine(policy: str, point: Point, clock: SimClock) -> llm_engine.LLMEn
                                  HOST_BLOCK_SIZE, enable_prefix_caching=True)
     engine.stats = LaneStats(cost.kv_bytes, 1 / cost.link_bytes_per_s)
     engine.scheduler = Scheduler(engine.blocks, policy, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS,
-                                 point.prompt_len + point.output_len, eos_token_ids=(), kv_promotion=True,
+                                 point.max_model_len, eos_token_ids=(), kv_promotion=True,
                                  stats=engine.stats)
     engine.runner = FakeRunner(engine, clock, cost)
     engine.host_lane = FakeHostLane(engine, clock, cost)
@@ -253,12 +268,11 @@ def build_engine(policy: str, point: Point, clock: SimClock) -> llm_engine.LLMEn
 
 
 def add_requests(engine: llm_engine.LLMEngine, point: Point) -> None:
-    """Random prompts (the same for every policy), each generating exactly output_len tokens."""
+    """Random prompts (the same for every policy), each generating exactly its output length."""
     rng = random.Random(0)
-    params = SamplingParams(max_tokens=point.output_len, ignore_eos=True)
-    for _ in range(point.num_seqs):
-        prompt = [rng.randrange(1, 30000) for _ in range(point.prompt_len)]
-        engine.add(Sequence(prompt, params, point.prompt_len + point.output_len))
+    for prompt_len, output_len in zip(*point.lengths):
+        prompt = [rng.randrange(1, 30000) for _ in range(prompt_len)]
+        engine.add(Sequence(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True), prompt_len + output_len))
 
 
 def simulate(policy: str, point: Point) -> dict:
@@ -278,7 +292,7 @@ def summarize(policy: str, point: Point, engine: llm_engine.LLMEngine, seconds: 
     return {
         "policy": policy,
         "seconds": round(seconds, 2),
-        "tok_s": round(point.num_seqs * point.output_len / seconds),
+        "tok_s": round(sum(point.lengths[1]) / seconds),
         "device_steps": len(steps),
         "device_rows_per_step": round(statistics.mean(rows for rows, _ in steps), 1) if steps else 0.0,
         "host_busy_fraction": round(sum(busy for _, busy in steps) / len(steps), 2) if steps else 0.0,
@@ -298,7 +312,7 @@ def compare(point: Point) -> dict:
             "auto_over_gpu": round(by_policy["auto"]["tok_s"] / by_policy["gpu"]["tok_s"], 3)}
 
 
-HEADER = (f"{'model':<11} {'workload':<18} {'blocks':>6} {'gpu tok/s':>9} {'auto tok/s':>10} {'auto/gpu':>8}  "
+HEADER = (f"{'model':<11} {'workload':<23} {'blocks':>6} {'gpu tok/s':>9} {'auto tok/s':>10} {'auto/gpu':>8}  "
           f"{'gpu steps x rows':>16}  {'auto steps x rows':>17} {'host tok':>8} {'demote':>6} {'promote':>7} "
           f"{'recompute gpu/auto':>18}")
 
@@ -306,7 +320,7 @@ HEADER = (f"{'model':<11} {'workload':<18} {'blocks':>6} {'gpu tok/s':>9} {'auto
 def format_line(result: dict) -> str:
     gpu, auto = result["gpu"], result["auto"]
     recomputes = f"{gpu['recomputes']}/{auto['recomputes']}"
-    return (f"{result['model']:<11} {result['workload']:<18} {result['num_gpu_blocks']:>6} {gpu['tok_s']:>9} "
+    return (f"{result['model']:<11} {result['workload']:<23} {result['num_gpu_blocks']:>6} {gpu['tok_s']:>9} "
             f"{auto['tok_s']:>10} {result['auto_over_gpu']:>8.3f}  "
             f"{gpu['device_steps']:>7} x {gpu['device_rows_per_step']:>6.1f}  "
             f"{auto['device_steps']:>8} x {auto['device_rows_per_step']:>6.1f} {auto['host_tokens']:>8} "
@@ -314,6 +328,7 @@ def format_line(result: dict) -> str:
 
 
 SINGLE_POINT_OPTIONS = ("model", "num_seqs", "prompt_len", "output_len", "num_gpu_blocks")
+SPREAD_GRID = (0.5, 0.9)  # --mixed: the suite's points again at these spreads
 
 
 def parse_args() -> argparse.Namespace:
@@ -323,6 +338,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt-len", type=int)
     parser.add_argument("--output-len", type=int)
     parser.add_argument("--num-gpu-blocks", type=int)
+    parser.add_argument("--spread", type=float, default=0.0,
+                        help="a single point's lengths uniform in [L(1 - spread), L(1 + spread)]")
+    parser.add_argument("--mixed", action="store_true",
+                        help=f"the suite's points with mixed lengths (spreads {', '.join(map(str, SPREAD_GRID))})")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     given = [name for name in SINGLE_POINT_OPTIONS if getattr(args, name) is not None]
@@ -334,9 +353,9 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> None:
     args = parse_args()
-    points = SUITE
+    points = [replace(point, spread=spread) for spread in SPREAD_GRID for point in SUITE] if args.mixed else SUITE
     if args.model is not None:
-        points = [Point(*(getattr(args, name) for name in SINGLE_POINT_OPTIONS))]
+        points = [Point(*(getattr(args, name) for name in SINGLE_POINT_OPTIONS), spread=args.spread)]
     print(HEADER)
     results = []
     for point in points:

@@ -10,6 +10,7 @@ c. One sequence longer than the device budget: decode tok/s against the bound th
 """
 import json
 import os
+import random
 from dataclasses import dataclass, field
 
 CONFIGS = os.path.join(os.path.dirname(__file__), "configs")
@@ -70,6 +71,20 @@ def blocks_beside_weights(config: str, card_gib: float, reserve_gib: float = 1.5
     weight_bytes = 2 * (embeddings + layers * (attention + mlp + norms) + hidden)
     kv_bytes_per_block = block_size * 2 * layers * kv_heads * head_dim * 2
     return int(((card_gib - reserve_gib) * 2**30 - weight_bytes) // kv_bytes_per_block)
+
+
+def mixed_lengths(num_seqs: int, prompt_len: int, output_len: int, spread: float = 0.0,
+                  seed: int = 0) -> tuple[list[int], list[int]]:
+    """Prompt and output lengths of a batch: each uniform in [L x (1 - spread), L x (1 + spread)] around its mean L
+    (spread 0: all equal). The suite's batches are uniform; real ones are not, and the placement's guarantee is
+    checked on both (bench_throughput.py single --spread, simulate_placement.py --spread). Seeded, so that the
+    replay and the device run the same lengths."""
+    if not 0 <= spread < 1:
+        raise ValueError(f"spread must be in [0, 1), got {spread}")
+    rng = random.Random(seed)
+    draw = lambda mean: rng.randint(max(1, round(mean * (1 - spread))), max(1, round(mean * (1 + spread))))
+    pairs = [(draw(prompt_len), draw(output_len)) for _ in range(num_seqs)]
+    return [p for p, _ in pairs], [o for _, o in pairs]
 
 
 QWEN3_8B_ON_24_GIB = blocks_beside_weights("qwen3-8b", card_gib=24)  # 3,296 blocks, 7.24 GiB of KV

@@ -1,21 +1,35 @@
 """benchmarks/simulate_placement.py drives the real LLMEngine._step, Scheduler and placement with fake lanes: it
 must keep up with the engine (it once broke silently when async scheduling added state), and every token of every
-request must be decoded once under both policies."""
+request must be decoded once under both policies, with equal lengths and with mixed ones."""
 import pytest
 
 from benchmarks.simulate_placement import Point, compare
+from benchmarks.workloads import mixed_lengths
 
 
+@pytest.mark.parametrize("spread", [0.0, 0.5])  # equal lengths, as in the suite, and mixed ones
 @pytest.mark.parametrize("blocks", [40, 24])  # tight enough that gpu recomputes and auto demotes and promotes
-def test_both_policies_decode_every_token_through_the_real_scheduler(blocks):
-    point = Point("qwen3-0.6b", num_seqs=12, prompt_len=96, output_len=48, num_gpu_blocks=blocks)
+def test_both_policies_decode_every_token_through_the_real_scheduler(blocks, spread):
+    point = Point("qwen3-0.6b", num_seqs=12, prompt_len=96, output_len=48, num_gpu_blocks=blocks, spread=spread)
     result = compare(point)
+    prompts, outputs = point.lengths
+    assert (len(set(outputs)) > 1) == bool(spread)
     for policy in ("gpu", "auto"):
         run = result[policy]
         # The first token of a request, and again after each recompute, comes from its prefill.
         prefill_tokens = point.num_seqs + run["recomputes"]
-        assert run["device_tokens"] + run["host_tokens"] + prefill_tokens == point.num_seqs * point.output_len
+        assert run["device_tokens"] + run["host_tokens"] + prefill_tokens == sum(outputs)
         assert run["seconds"] > 0
     assert result["gpu"]["host_tokens"] == 0 and result["gpu"]["recomputes"] > 0
     assert result["auto"]["recomputes"] == 0 and result["auto"]["host_tokens"] > 0
     assert result["auto"]["promotions"] > 0
+
+
+def test_mixed_lengths_spread_around_their_means_and_repeat():
+    prompts, outputs = mixed_lengths(400, 1000, 200, spread=0.5)
+    assert min(prompts) >= 500 and max(prompts) <= 1500 and min(outputs) >= 100 and max(outputs) <= 300
+    assert abs(sum(prompts) / 400 - 1000) < 50 and max(prompts) - min(prompts) > 800  # spread out, mean kept
+    assert (prompts, outputs) == mixed_lengths(400, 1000, 200, spread=0.5)  # the replay and the device agree
+    assert mixed_lengths(3, 10, 4) == ([10] * 3, [4] * 3)
+    with pytest.raises(ValueError, match="spread"):
+        mixed_lengths(3, 10, 4, spread=1.0)
