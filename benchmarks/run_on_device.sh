@@ -102,15 +102,18 @@ case "${1:-check}" in
         --out "$OUT/trace_96_3296_auto_r$run.json"
     done
     ;;
-  placement-mixed)  # issue 10, off the suite: mixed lengths (each uniform in L x [0.5, 1.5]), gpu then auto, at the
-    # points the replay (simulate_placement.py --mixed) puts lowest, and decode-heavy 8B at a 24 GB card's room
-    for point in "qwen3-8b 32 4096 128 1056 44 6336" "qwen3-0.6b 64 2048 256 2304 24 3456" \
-                 "qwen3-8b 64 1024 1024 3296 44 3072"; do
+  placement-mixed)  # issue 10, off the suite: mixed lengths (each uniform in L x [1 - spread, 1 + spread]), gpu then
+    # auto, by default at the points the replay (simulate_placement.py --mixed) put lowest and at decode-heavy 8B at a
+    # 24 GB card's room. MIXED_POINTS: "model seqs prompt output blocks host_gb max_model_len spread; ..."
+    IFS=';' read -ra points <<< "${MIXED_POINTS:-qwen3-8b 32 4096 128 1056 44 6336 0.5; qwen3-0.6b 64 2048 256 2304 24 3456 0.5;
+      qwen3-8b 64 1024 1024 3296 44 3072 0.5}"
+    for point in "${points[@]}"; do
       set -- $point
       for placement in gpu auto; do
-        step mixed_$1_$2x$3+$4_$5_$placement 240 python3 benchmarks/bench_throughput.py single --model $1 --num-seqs $2 \
-          --prompt-len $3 --output-len $4 --spread 0.5 --num-gpu-blocks $5 --cpu-kv-cache-gb $6 --max-model-len $7 \
-          --kv-placement $placement --out "$OUT/mixed_$1_$2x$3+$4_$5_$placement.json"
+        name=mixed_$1_$2x$3+$4_s$8_$5_$placement
+        step $name 240 python3 benchmarks/bench_throughput.py single --model $1 --num-seqs $2 --prompt-len $3 \
+          --output-len $4 --spread $8 --num-gpu-blocks $5 --cpu-kv-cache-gb $6 --max-model-len $7 \
+          --kv-placement $placement --out "$OUT/$name.json"
       done
     done
     ;;
