@@ -3,6 +3,7 @@
     python benchmarks/bench_throughput.py --profile full      # GPU host: real shapes, random weights
     python benchmarks/bench_throughput.py --profile small     # anywhere, a few minutes (make bench)
     python benchmarks/bench_throughput.py single --model qwen3-0.6b --num-seqs 64 ...   # one engine run
+    python benchmarks/bench_throughput.py single ... --spread 0.5   # lengths uniform in L x [0.5, 1.5] (mixed)
 
 Every run writes JSON (config, device, host cores, measured ceilings, per-system throughput, ratios to gpu and
 to the ideal, promotions/demotions/preemptions per run) and a PNG of throughput and ratios against the device KV
@@ -305,12 +306,12 @@ def main(argv: list[str] | None = None) -> None:
         return
     path = model_dir(args.model, args.model_cache)
     prompt_lens, output_lens = mixed_lengths(args.num_seqs, args.prompt_len, args.output_len, args.spread)
-    result = measure(path, random_prompts(prompt_lens, 10000), output_lens, kv_placement=args.kv_placement, num_gpu_blocks=args.num_gpu_blocks,
-                     cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_model_len=args.max_model_len,
-                     max_num_seqs=args.max_num_seqs)
+    result = measure(path, random_prompts(prompt_lens, 10000), output_lens, kv_placement=args.kv_placement,
+                     num_gpu_blocks=args.num_gpu_blocks, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+                     max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
     result.update(model=args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
-                  spread=args.spread, kv_placement=args.kv_placement, device_name=device_slug(), torch=torch.__version__,
-                  host_cores=os.cpu_count())
+                  spread=args.spread, kv_placement=args.kv_placement, device_name=device_slug(),
+                  torch=torch.__version__, host_cores=os.cpu_count())
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:
