@@ -78,13 +78,19 @@ class CostModel:
 # 8B recalibrated to gpu's decode-heavy run of that evening (2,078 steps of 31.5 rows, 9.5 ms each; 108k prompt
 # tokens, recomputes included, in 2.52 s): dev_fixed 7.5 -> 5.6 ms, prefill 21k -> 43k tok/s. The replay then gives
 # gpu 2,952 tok/s (measured 2,940) and auto 2,588 in 2,616 steps of 23.9 rows (measured 2,477 in 2,667 of 23.5).
+# Moves re-scaled 2026-11-24 (seventh session): promotions read the host pool on 16 programs beside the device lane
+# since f802db9, demotions write it on 8 since 8452c86, and the device lane's extra time per move fell with them
+# (a decode-heavy 8B demotion 4.68 -> 1.74 ms; a 632 MB promotion's step beside it 22-23 -> 5.7-6.1 ms against 5.4
+# alone), while the engine thread's share did not: promotions ~0.4x, demotions ~0.25x of the costs above. Against
+# 20 points measured on the device (suite, mixed lengths, off the suite) the replay's auto/gpu moved from 0.039 to
+# 0.033 off on average, and it still reads low (by 0.02 on average; benchmarks/NOTES.md, 2026-11-24, seventh session).
 COST_MODELS = {
     "qwen3-8b": CostModel(dev_fixed=0.0056, dev_row=0.00005, kv_bw=3.0e12, busy=1.035, host_fixed=0.038,
-                          host_per_gb=0.016, prefill_tok_s=43000, promote_s_per_tok=2.2e-6,
-                          demote_s_per_tok=3.6e-6, kv_bytes=147456, host_prefill_s_per_tok=23e-6),
+                          host_per_gb=0.016, prefill_tok_s=43000, promote_s_per_tok=0.9e-6,
+                          demote_s_per_tok=0.9e-6, kv_bytes=147456, host_prefill_s_per_tok=23e-6),
     "qwen3-0.6b": CostModel(dev_fixed=0.00145, dev_row=0.00001, kv_bw=4.0e12, busy=1.0, host_fixed=0.007,
-                            host_per_gb=0.0103, prefill_tok_s=150000, promote_s_per_tok=1.7e-6,
-                            demote_s_per_tok=2.8e-6, kv_bytes=114688, host_prefill_s_per_tok=18e-6),
+                            host_per_gb=0.0103, prefill_tok_s=150000, promote_s_per_tok=0.7e-6,
+                            demote_s_per_tok=0.7e-6, kv_bytes=114688, host_prefill_s_per_tok=18e-6),
 }
 HOST_POOL_BLOCKS = {"qwen3-8b": 6346, "qwen3-0.6b": 40000}
 
