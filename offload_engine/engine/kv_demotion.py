@@ -32,7 +32,7 @@ from cpu_attention.gather import scatter_blocks
 from kernels.host_block_copies import scatter_host_blocks
 from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.sequence import Sequence
-from offload_engine.engine.step_inputs import slots_for
+from offload_engine.engine.step_inputs import host_copy_plan, slots_for
 
 
 def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.Tensor, host_layers, executor,
@@ -58,7 +58,9 @@ def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.
     (PinnedRing.upload); by default a plain copy."""
     device = device_stacked.device
     upload = upload or (lambda array: torch.from_numpy(array).to(device))
-    targets, rows, slots, first = _token_plan(moves, mapped_stacked.shape[4], device_block_size, set(first_blocks))
+    targets, rows, slots = host_copy_plan([(seq.num_computed_tokens, seq.block_table, device_blocks)
+                                           for seq, device_blocks in moves], mapped_stacked.shape[4], device_block_size)
+    first = np.isin(slots // device_block_size, np.asarray(first_blocks, dtype=np.int64))
     token_slots = device_stacked.flatten(2, 3)  # [L, 2, blocks * block_size, Hkv, D]
     targets = upload(targets)
     if first.any():
@@ -67,22 +69,6 @@ def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.
             between()
     if not first.all():
         scatter_host_blocks(mapped_stacked, token_slots, targets, upload(rows[~first]), upload(slots[~first]))
-
-
-def _token_plan(moves, host_block_size: int, device_block_size: int, first_blocks: set[int]):
-    """The host blocks written in order; each moved token's row among them, its device slot, and whether its
-    device block is one of first_blocks."""
-    targets, rows, slots, first = [], [], [], []
-    for seq, device_blocks in moves:
-        num_tokens = seq.num_computed_tokens
-        # Token t of this sequence goes to row (first block's place among the targets) * block size + t.
-        rows.append(len(targets) * host_block_size + np.arange(num_tokens))
-        targets += seq.block_table[: -(-num_tokens // host_block_size)]
-        slots.append(slots_for(device_blocks, device_block_size, 0, num_tokens))
-        in_first = np.array([block in first_blocks for block in device_blocks], dtype=bool)
-        first.append(np.repeat(in_first, device_block_size)[:num_tokens])
-    return (np.array(targets, dtype=np.int64), np.concatenate(rows), np.concatenate(slots).astype(np.int64),
-            np.concatenate(first))
 
 
 def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -28,7 +28,7 @@ from cpu_attention.gather import gather_blocks
 from kernels.host_block_copies import gather_host_blocks
 from offload_engine.engine.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.sequence import Sequence
-from offload_engine.engine.step_inputs import slots_for
+from offload_engine.engine.step_inputs import host_copy_plan
 
 
 def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_stacked: torch.Tensor, device_stacked: torch.Tensor,
@@ -40,21 +40,14 @@ def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_stacked: torch.T
     on the device (PinnedRing.upload); by default a plain copy."""
     device = device_stacked.device
     upload = upload or (lambda array: torch.from_numpy(array).to(device))
-    sources, rows, slots = _plan(moves, mapped_stacked.shape[4], device_block_size)
-    sources, rows, slots = map(upload, (np.array(sources, dtype=np.int64), rows, slots))
+    sources, rows, slots = map(upload, _plan(moves, mapped_stacked.shape[4], device_block_size))
     gather_host_blocks(mapped_stacked, device_stacked.flatten(2, 3), sources, rows, slots)
 
 
-def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[list[int], np.ndarray, np.ndarray]:
+def _plan(moves, host_block_size: int, device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The host blocks to read in order, each moved token's row among them, and its new device slot."""
-    sources, rows, slots = [], [], []
-    for seq, host_blocks in moves:
-        num_tokens = seq.num_computed_tokens
-        # Token t of this sequence sits at row (first block's place in the gather) * block size + t.
-        rows.append(len(sources) * host_block_size + np.arange(num_tokens))
-        sources += host_blocks[: -(-num_tokens // host_block_size)]
-        slots.append(slots_for(seq.block_table, device_block_size, 0, num_tokens))
-    return sources, np.concatenate(rows), np.concatenate(slots)
+    return host_copy_plan([(seq.num_computed_tokens, host_blocks, seq.block_table) for seq, host_blocks in moves],
+                          host_block_size, device_block_size)
 
 
 def _store_tokens(token_slots: torch.Tensor, blocks: torch.Tensor, rows: torch.Tensor, slots: torch.Tensor) -> None:
@@ -79,7 +72,7 @@ def _copy_batch(moves, host_layers, device_stacked: torch.Tensor, executor, devi
     _, num_kv_heads, host_block_size, head_dim = host_layers[0][0].shape
     device = device_stacked.device
     sources, rows, slots = _plan(moves, host_block_size, device_block_size)
-    source = torch.tensor(sources, dtype=torch.int64)
+    source = torch.from_numpy(sources)
     rows = torch.from_numpy(rows).to(device, non_blocking=True)
     slots = torch.from_numpy(slots).to(device, non_blocking=True)
     token_slots = device_stacked.flatten(2, 3)  # [L, 2, blocks * block_size, Hkv, D]

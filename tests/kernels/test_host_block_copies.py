@@ -29,7 +29,7 @@ def test_every_token_lands_in_its_place_and_nothing_else_moves(to_host, dtype, n
     # Random (never zero) pools: an untouched slot or host row must keep its exact old value.
     host = torch.randn((layers, 2, host_blocks, num_kv_heads, host_block, head_dim), generator=gen).to(dtype)
     token_slots = torch.randn((layers, 2, device_slots, num_kv_heads, head_dim), generator=gen).to(dtype)
-    # Two sequences, as kv_promotion._plan and kv_demotion._plan lay them out: 2.5 and 1 host blocks (partial last
+    # Two sequences, as step_inputs.host_copy_plan lays them out: 2.5 and 1 host blocks (partial last
     # blocks), their host blocks scattered, their tokens in scattered slots.
     lengths = (2 * host_block + host_block // 2, host_block - 1)
     blocks = torch.randperm(host_blocks, generator=gen)[:3 + 1]
