@@ -22,44 +22,54 @@
   host, 2026-11-23, benchmarks/NOTES.md). Until a move was measured it is seeded with the host link's transfer
   time per token, which the runner measures at start-up (a pinned copy), or 0 where it has none.
 
-Averages are exponentially weighted (an old step's weight falls by ~1/e every HALF_LIFE steps), so they follow the
-host as it warms up, and plain means over their first HALF_LIFE values: a first value that set the average outright
-kept ~1/e of its weight for 32 more. A lane's first host steps are a row or two on cold threads: two read 0.117 s/GB
-of kernel time, against 0.014 over 201 steps of the same workload the day before, with device steps 2.4x slower
-beside them (0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24). `snapshot()` is what benchmarks
+Every estimate is the median of its last WINDOW values, so one stalled step cannot flip the check. A mean
+(exponentially weighted, until 2026-11-24) carried an outlier for dozens of steps, and a check that refuses
+stops the measurements that would correct it: three runs of 8B, 48 x (2048 + 512) at 2,560 blocks measured moves
+at 4.3-7.0 us a token where four others measured 0.5-1.0 (two of them with the admission hold off), refused
+394-490 host steps against 0-3, and read 0.936-0.956x `gpu` against 1.003-1.073x (H100 host, 2026-11-24,
+benchmarks/NOTES.md). The same held for cold starts: a lane's first host steps are a row or two on cold threads,
+and two read 0.117 s/GB of kernel time against 0.014 over 201 steps of the same workload the day before, with
+device steps 2.4x slower beside them (0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24).
+Ratios (seconds per byte, per token) are taken per value, then their median. `snapshot()` is what benchmarks
 record next to their throughput.
 """
-from collections import Counter
-from dataclasses import dataclass
+import statistics
+from collections import Counter, deque
 
-HALF_LIFE = 32  # steps
+WINDOW = 32  # the values an estimate is the median of
 
 
-@dataclass
-class _Average:
-    """An exponentially weighted mean that is None until it has seen a value; `count` values seen."""
+class _Recent:
+    """The median of the last WINDOW values added (None until one is); `count`: values added in all."""
 
-    value: float | None = None
-    count: int = 0
+    def __init__(self):
+        self._values: deque[float] = deque(maxlen=WINDOW)
+        self._median: float | None = None  # cached until the next add
+        self.count = 0
 
     def add(self, x: float) -> None:
+        self._values.append(x)
+        self._median = None
         self.count += 1
-        self.value = x if self.value is None else self.value + max(1 / HALF_LIFE, 1 / self.count) * (x - self.value)
+
+    @property
+    def value(self) -> float | None:
+        if self._median is None and self._values:
+            self._median = statistics.median(self._values)
+        return self._median
 
 
 class LaneStats:
     def __init__(self, kv_bytes_per_token: int | None = None, link_seconds_per_byte: float | None = None):
         self.kv_bytes_per_token = kv_bytes_per_token  # of the model: host step cost is per byte of KV read
         self.link_seconds_per_byte = link_seconds_per_byte  # the move cost's seed (None: not measured)
-        self.host_fixed = _Average()  # seconds of a host step outside its CPU kernels
-        self._kernel_seconds = _Average()  # of a host step's CPU kernels...
-        self._kernel_bytes = _Average()  # ...and the KV bytes they read: per_byte is the ratio
-        self._device_steps: dict[tuple[int, bool], _Average] = {}  # (rows, host step in flight) -> seconds
-        self.device_tok_s = _Average()
-        self._move_seconds = _Average()  # device-lane seconds of a move...
-        self._move_tokens = _Average()  # ...and the tokens it moved: the cost per token is the ratio
-        self._device_prefill = _Average()  # seconds per prompt token of prefill steps without host-tier rows
-        self._host_prefill_extra = _Average()  # seconds per host-tier prompt token beyond that
+        self.host_fixed = _Recent()  # seconds of a host step outside its CPU kernels
+        self._kernel_per_byte = _Recent()  # seconds of a host step's CPU kernels per KV byte they read
+        self._device_steps: dict[tuple[int, bool], _Recent] = {}  # (rows, host step in flight) -> seconds
+        self.device_tok_s = _Recent()
+        self._move_per_token = _Recent()  # device-lane seconds of a move per token it moved
+        self._device_prefill = _Recent()  # seconds per prompt token of prefill steps without host-tier rows
+        self._host_prefill_extra = _Recent()  # seconds per host-tier prompt token beyond that
         self.device_prefill_elsewhere = False  # prefill/decode separation: device-tier prompts prefill elsewhere
         self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
         self.device_steps_since_host_step = 0  # timed device steps since the host lane last stepped
@@ -71,19 +81,18 @@ class LaneStats:
         kernel_seconds = min(kernel_seconds, seconds)
         self.device_steps_since_host_step = 0
         self.host_fixed.add(seconds - kernel_seconds)
-        self._kernel_seconds.add(kernel_seconds)
-        self._kernel_bytes.add(kv_bytes)
+        if kv_bytes > 0:
+            self._kernel_per_byte.add(kernel_seconds / kv_bytes)
 
     def device_step_done(self, rows: int, seconds: float, host_busy: bool) -> None:
-        self._device_steps.setdefault((rows, host_busy), _Average()).add(seconds)
+        self._device_steps.setdefault((rows, host_busy), _Recent()).add(seconds)
         self.device_tok_s.add(rows / max(seconds, 1e-6))
         self.device_steps_since_host_step += 1
 
     def move_done(self, tokens: int, seconds: float) -> None:
         """A move of `tokens` tokens' KV cost the device lane `seconds` (engine thread and slower steps)."""
         if tokens > 0:
-            self._move_seconds.add(max(0.0, seconds))
-            self._move_tokens.add(tokens)
+            self._move_per_token.add(max(0.0, seconds) / tokens)
 
     def prefill_done(self, tokens: int, host_tokens: int, seconds: float) -> None:
         """A prefill step of `tokens` prompt tokens, `host_tokens` of them host-tier, took `seconds`."""
@@ -100,9 +109,7 @@ class LaneStats:
     # ---- predictions ---------------------------------------------------------------------------------------
     @property
     def host_per_byte(self) -> float | None:
-        if not self._kernel_bytes.value:
-            return None
-        return self._kernel_seconds.value / self._kernel_bytes.value
+        return self._kernel_per_byte.value
 
     def idle_device_step_seconds(self, rows: int) -> float | None:
         """A device step's time at this row count with the host lane idle, as measured (None: not seen)."""
@@ -112,8 +119,8 @@ class LaneStats:
     @property
     def move_seconds_per_token(self) -> float:
         """Device-lane seconds a move costs per token of KV: measured, else the link's seed, else 0."""
-        if self._move_tokens.value:
-            return self._move_seconds.value / self._move_tokens.value
+        if self._move_per_token.count:
+            return self._move_per_token.value
         if self.link_seconds_per_byte is not None and self.kv_bytes_per_token:
             return self.link_seconds_per_byte * self.kv_bytes_per_token
         return 0.0
@@ -155,6 +162,6 @@ class LaneStats:
         return {"host_fixed_s": self.host_fixed.value, "host_kernel_s_per_gb": (self.host_per_byte or 0) * 1e9,
                 "host_steps": self.host_fixed.count, "device_slowdown": self.slowdown,
                 "device_tok_s": self.device_tok_s.value, "move_us_per_token": self.move_seconds_per_token * 1e6,
-                "moves_measured": self._move_tokens.count,
+                "moves_measured": self._move_per_token.count,
                 "host_prefill_extra_us_per_token": (self.host_prefill_seconds_per_token or 0.0) * 1e6,
                 "checks": {f"{kind}_{'pays' if pays else 'refused'}": n for (kind, pays), n in self.checks.items()}}
