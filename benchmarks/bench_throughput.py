@@ -23,6 +23,7 @@ import torch
 from benchmarks.engine_run import measure, random_prompts
 from benchmarks.peers import hf_generate
 from benchmarks.workloads import PROFILES, BeyondVram, Profile, mixed_lengths
+from offload_engine.engine import placement
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -276,6 +277,29 @@ def part_name(profile: Profile, workloads: str, specs: list[BeyondVram]) -> str:
     return "_" + "-".join(["a"] * ("a" in workloads) + ids + ["c"] * ("c" in workloads))
 
 
+def set_placement_constants(assignments: list[str]) -> dict[str, int | float]:
+    """Sets engine/placement.py's numeric constants from NAME=VALUE strings, before any work; returns them. A name
+    that is not such a constant, or a value of another type, is a ValueError that names what exists."""
+    known = {name: value for name, value in vars(placement).items()
+             if name.isupper() and isinstance(value, (int, float)) and not isinstance(value, bool)}
+    constants = {}
+    for assignment in assignments:
+        name, equals, text = assignment.partition("=")
+        if not equals:
+            raise ValueError(f"--set-placement {assignment!r}: give NAME=VALUE, e.g. PROMOTION_HOLD_STEPS=0")
+        if name not in known:
+            raise ValueError(f"--set-placement {assignment!r}: {name!r} is not one of placement's constants "
+                             f"{sorted(known)}")
+        try:
+            constants[name] = type(known[name])(text)
+        except ValueError:
+            raise ValueError(f"--set-placement {assignment!r}: {name} takes a {type(known[name]).__name__}, "
+                             f"e.g. {name}={known[name]}") from None
+    for name, value in constants.items():
+        setattr(placement, name, value)
+    return constants
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("mode", nargs="?", default="suite", choices=("suite", "single"))
@@ -299,7 +323,11 @@ def main(argv: list[str] | None = None) -> None:
     single.add_argument("--max-model-len", type=int, default=None)
     single.add_argument("--max-num-seqs", type=int, default=256)
     single.add_argument("--out", default=None, help="JSON path of a single run")
+    single.add_argument("--set-placement", action="append", default=[], metavar="NAME=VALUE",
+                        help="run with one of engine/placement.py's constants changed (repeatable), for A/B runs "
+                             "in one call, e.g. PROMOTION_HOLD_STEPS=0")
     args = parser.parse_args(argv)
+    constants = set_placement_constants(args.set_placement)
     if args.mode == "suite":
         run_suite(args.profile, args.workloads, args.model_cache, args.out_dir, args.b_models, not args.no_peers,
                   args.b_names)
@@ -311,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
                      max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs)
     result.update(model=args.model, num_seqs=args.num_seqs, prompt_len=args.prompt_len, output_len=args.output_len,
                   spread=args.spread, kv_placement=args.kv_placement, device_name=device_slug(),
-                  torch=torch.__version__, host_cores=os.cpu_count())
+                  torch=torch.__version__, host_cores=os.cpu_count(), placement_constants=constants)
     print(json.dumps(result, indent=2))
     if args.out:
         with open(args.out, "w") as f:

@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-paired, amx-probe, placement-8b,
-#   placement-mixed, multi-gpu, multi-gpu-tp
+#   placement-mixed, placement-ab, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
 set -u
@@ -114,6 +114,26 @@ case "${1:-check}" in
         step $name 240 python3 benchmarks/bench_throughput.py single --model $1 --num-seqs $2 --prompt-len $3 \
           --output-len $4 --spread $8 --num-gpu-blocks $5 --cpu-kv-cache-gb $6 --max-model-len $7 \
           --kv-placement $placement --out "$OUT/$name.json"
+      done
+    done
+    ;;
+  placement-ab)  # issue 10: runs side by side in one call, each "placement" or "placement:NAME=VALUE[,NAME=VALUE]"
+    # (bench_throughput.py --set-placement), at each point of AB_POINTS: "model seqs prompt output blocks host_gb
+    # max_model_len; ...". A run repeated gets _r2, _r3... E.g. AB_RUNS="gpu auto auto:PROMOTION_HOLD_STEPS=0"
+    IFS=';' read -ra points <<< "${AB_POINTS:-qwen3-8b 48 2048 512 2560 44 2560}"
+    for point in "${points[@]}"; do
+      set -- $point
+      for run in ${AB_RUNS:-gpu auto auto}; do
+        placement=${run%%:*}; sets=(); label=$placement
+        if [[ $run == *:* ]]; then
+          IFS=',' read -ra assignments <<< "${run#*:}"
+          for a in "${assignments[@]}"; do sets+=(--set-placement "$a"); label+=_${a/=/-}; done
+        fi
+        base=ab_$1_$2x$3+$4_$5_$label; name=$base; k=1
+        while [ -e "$OUT/$name.json" ]; do k=$((k + 1)); name=${base}_r$k; done
+        step $name 300 python3 benchmarks/bench_throughput.py single --model $1 --num-seqs $2 --prompt-len $3 \
+          --output-len $4 --num-gpu-blocks $5 --cpu-kv-cache-gb $6 --max-model-len $7 --kv-placement $placement \
+          "${sets[@]}" --out "$OUT/$name.json"
       done
     done
     ;;

@@ -107,3 +107,19 @@ def test_the_ratio_panel_plots_auto_over_gpu_and_over_the_ideal_at_each_budgets_
     assert lines["auto / gpu"] == [pytest.approx([0.4, 1.1])]
     assert lines["auto / ideal"] == [pytest.approx([0.4, 0.66])]
     plt.close(fig)
+
+
+def test_placement_constants_are_set_by_name_and_checked_before_any_work(monkeypatch):
+    from benchmarks.bench_throughput import set_placement_constants
+    from offload_engine.engine import placement
+
+    monkeypatch.setattr(placement, "PROMOTION_HOLD_STEPS", placement.PROMOTION_HOLD_STEPS)  # restored afterwards
+    monkeypatch.setattr(placement, "HOST_PROBE_STEPS", placement.HOST_PROBE_STEPS)
+    assert set_placement_constants(["PROMOTION_HOLD_STEPS=0", "HOST_PROBE_STEPS=8"]) == {
+        "PROMOTION_HOLD_STEPS": 0, "HOST_PROBE_STEPS": 8}
+    assert placement.PROMOTION_HOLD_STEPS == 0 and placement.HOST_PROBE_STEPS == 8
+    for bad, says in (("PROMOTION_HOLD=3", "PROMOTION_HOLD_STEPS"), ("GPU=1", "not one of"),
+                      ("PROMOTION_HOLD_STEPS=1.5", "takes a int"), ("PROMOTION_HOLD_STEPS", "NAME=VALUE")):
+        with pytest.raises(ValueError, match=says):
+            set_placement_constants(["HOST_PROBE_STEPS=4", bad])
+        assert placement.HOST_PROBE_STEPS == 8  # nothing set when one assignment is bad

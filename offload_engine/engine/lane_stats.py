@@ -22,14 +22,15 @@
   host, 2026-11-23, benchmarks/NOTES.md). Until a move was measured it is seeded with the host link's transfer
   time per token, which the runner measures at start-up (a pinned copy), or 0 where it has none.
 
-Every estimate is the median of its last WINDOW values, so one stalled sample (a garbage collection, a cold
-thread, a move timed beside a prefill) does not set the check's inputs for dozens of steps, and a check that
-refuses stops the measurements that would correct it. The exponentially weighted means used until 2026-11-24 did:
-three runs of 8B, 48 x (2048 + 512) at 2,560 blocks ended with moves measured at 4.3-7.0 us a token where four
-others read 0.5-1.0; with medians three runs read 0.9-1.2 (H100 host, 2026-11-24, benchmarks/NOTES.md). (Those
-three runs lost to `gpu`, but not for that reason: with medians the point still read 0.92x and 0.96x.) The same held for cold starts: a lane's first host steps are a row or two on cold threads,
-and two read 0.117 s/GB of kernel time against 0.014 over 201 steps of the same workload the day before, with
-device steps 2.4x slower beside them (0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24).
+Every estimate is the median of its last WINDOW values, so one stalled sample (a garbage collection, a cold thread,
+a move timed beside a prefill) does not set the check's inputs for dozens of steps, and a check that refuses stops
+the measurements that would correct it. The exponentially weighted means used until 2026-11-24 did: three runs of
+8B, 48 x (2048 + 512) at 2,560 blocks ended with moves measured at 4.3-7.0 us a token where four others read
+0.5-1.0; with medians, seven runs that measured moves read 0.3-1.2 (H100 host, 2026-11-24, benchmarks/NOTES.md).
+(Those three runs lost to `gpu`, but not for that reason: with medians the point still read 0.92x and 0.96x.) The
+same held for cold starts: a lane's first host steps are a row or two on cold threads, and two read 0.117 s/GB of
+kernel time against 0.014 over 201 steps of the same workload the day before, with device steps 2.4x slower beside
+them (0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24).
 Ratios (seconds per byte, per token) are taken per value, then their median. `snapshot()` is what benchmarks
 record next to their throughput.
 """
