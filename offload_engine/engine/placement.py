@@ -10,8 +10,10 @@
     host tier; when a device-lane step has no block for a sequence's next token, device sequences are
     demoted (their KV copied to host blocks) and go on decoding in the host lane. Recompute only when
     the host pool is full too.
-  - Which rows move: demotion takes the device rows nearest their end first (`demotion_order`), promotion the
-    host rows furthest from it: the device lane keeps the rows that would otherwise decode alone at the end.
+  - Which rows move: demotion takes the device rows nearest their end first (`demotion_order`) while the host
+    lane would step with them, the newest (as "gpu" preempts) when they would sit parked (`demotion_victims`);
+    promotion takes the host rows furthest from their end: the device lane keeps the rows that would otherwise
+    decode alone at the end.
   - Promotion: when device room frees, host sequences move back up before new requests are admitted (as
     "gpu" re-admits its preempted sequences first), but a new request is held for them only for a while
     (`_held_for_promotion`): host rows go on decoding while they wait, a held request does not.
@@ -170,7 +172,7 @@ def demotes(victim: Sequence, policy: str, blocks: BlockManager) -> bool:
 
 
 def demotion_order(rows: list[Sequence]) -> list[Sequence]:
-    """Device rows in the order they are demoted: fewest tokens left first (the newest first among equals).
+    """Device rows by how soon they end: fewest tokens left first (the newest first among equals).
     A row near its end frees the most blocks, finishes in the host lane within a few steps and is not
     promoted back, so the device keeps the rows furthest from their end, the ones that would otherwise decode
     alone at the end of a batch (promotions() takes those first for the same reason). Demoting the newest
@@ -181,6 +183,29 @@ def demotion_order(rows: list[Sequence]) -> list[Sequence]:
     at a 24 GB card's budget, auto/gpu 0.96 -> 1.01 (with demotions' copies off the engine's thread); 0.6B,
     32 x (1024 + 1024) at 1,024 blocks, 1.09 -> 1.27-1.31."""
     return sorted(reversed(rows), key=lambda seq: seq.tokens_left)  # stable: newest first among equals
+
+
+def demotion_victims(device_rows: list[Sequence], host_rows: list[Sequence],
+                     stats: LaneStats | None) -> Iterator[Sequence]:
+    """Device rows (in admission order) in the order they are demoted, each picked once those before it have gone
+    to the host lane. The row nearest its end (demotion_order) goes if the host lane would step with it
+    (host_lane_keeps_up): it finishes there. If the lane would not, a demoted row sits parked, with its KV, until
+    device room frees for it, and then the newest row goes, as "gpu" preempts: parked, it comes back up at the
+    head of the queue with most of its tokens to go, as "gpu"'s preempted row does, and starts the next wave with
+    it. A parked row near its end instead came back for its last tokens into room the next wave needed, and
+    the last requests started a few at a time behind such returns: 8B shape, 48 x (2048 + 512) at 2,560 blocks,
+    the device lane ended on a tail of 15 rows falling to 3 over ~3.3 s, and five runs in seven read 0.92-0.96x
+    "gpu", each with 400-500 host steps refused (H100 host, 2026-11-24). The replay of that point
+    (benchmarks/simulate_placement.py) reads 0.997 with this rule against 0.953 with the nearest-end order
+    alone, and no other point of its 73 falls below 0.97 for it (NOTES.md, 2026-11-24, ninth session)."""
+    rows, host = list(device_rows), list(host_rows)
+    while rows:
+        victim = demotion_order(rows)[0]
+        if not host_lane_keeps_up([*host, victim], len(rows) - 1, stats):
+            victim = rows[-1]
+        yield victim
+        rows.remove(victim)
+        host.append(victim)
 
 
 def _checked(kind: str, pays: bool, stats: LaneStats | None) -> bool:
@@ -251,13 +276,31 @@ def host_step_pays(host_rows: list[Sequence], device_rows: int, stats: LaneStats
     module's docstring), under 2% at this interval."""
     if not host_rows:
         return False
-    if not device_rows or stats is None or stats.kv_bytes_per_token is None or not stats.device_tok_s.value:
+    if not _both_lanes_measured(device_rows, stats):
         return True
     if stats.device_steps_since_host_step >= HOST_PROBE_STEPS:
         return _checked("host_step_probe", True, stats)
+    keeps_up = _keeps_up(host_rows, stats)
+    return True if keeps_up is None else _checked("host_step", keeps_up, stats)
+
+
+def host_lane_keeps_up(host_rows: list[Sequence], device_rows: int, stats: LaneStats | None) -> bool:
+    """host_step_pays's comparison, without its probe and its record: whether the host lane with these rows makes
+    more tokens a second than it costs the device lane (True while that cannot be predicted yet)."""
+    return not _both_lanes_measured(device_rows, stats) or _keeps_up(host_rows, stats) is not False
+
+
+def _both_lanes_measured(device_rows: int, stats: LaneStats | None) -> bool:
+    """False where there is no trade to make (no device rows) or nothing to predict it from yet."""
+    return bool(device_rows and stats is not None and stats.kv_bytes_per_token is not None
+                and stats.device_tok_s.value)
+
+
+def _keeps_up(host_rows: list[Sequence], stats: LaneStats) -> bool | None:
+    """The host lane's predicted tokens a second with these rows against what it costs the device lane at the
+    measured slowdown (device tok/s x (1 - 1/slowdown)); None: not predictable yet."""
     rate = _host_rate([s.num_host_tokens for s in host_rows], stats)
-    return rate is None or _checked("host_step", rate > stats.device_tok_s.value * (1 - 1 / stats.slowdown),
-                                    stats)
+    return None if rate is None else rate > stats.device_tok_s.value * (1 - 1 / stats.slowdown)
 
 
 def _host_rate(row_tokens: list[int], stats: LaneStats) -> float | None:

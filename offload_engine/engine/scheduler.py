@@ -17,7 +17,7 @@ from itertools import islice
 from offload_engine.engine import placement
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.placement import choose_tier, demotes, demotion_order, promotions
+from offload_engine.engine.placement import choose_tier, demotes, demotion_victims, promotions
 from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequence, SequenceStatus
 
 
@@ -169,18 +169,19 @@ class Scheduler:
         return frozenset(s.seq_id for s in promotions(self.running, self.blocks, extra_room=freeing))
 
     def _demote_for_room(self) -> None:
-        """Frees the device blocks this step's rows need for their next tokens, by demoting the device rows
-        nearest their end first (placement.demotion_order). What the host pool cannot take is left to
-        schedule_decode's preemption of the newest row."""
+        """Frees the device blocks this step's rows need for their next tokens, by demoting device rows in
+        placement.demotion_victims's order. What the host pool cannot take is left to schedule_decode's
+        preemption of the newest row."""
         pool = self.blocks.pool(BlockLocation.GPU)
-        rows = [s for s in self.running if s.location == BlockLocation.GPU and not s.in_flight
-                and not s.in_prefill and s.status == SequenceStatus.RUNNING]
+        decoding = [s for s in self.running if not s.in_prefill and s.status == SequenceStatus.RUNNING]
+        rows = [s for s in decoding if s.location == BlockLocation.GPU and not s.in_flight]
         needs = {s.seq_id: pool.blocks_for(len(s)) > len(s.block_table) for s in rows}
         needed = sum(needs.values())
         pool.reclaim(wait=needed > pool.num_free)  # rather than demote, wait for a demotion's copy to land
         if needed <= pool.num_free:
             return  # the common step: room for every row, nothing to order
-        for victim in demotion_order(rows):
+        host = [s for s in decoding if s.location == BlockLocation.CPU]
+        for victim in demotion_victims(rows, host, self.stats):
             if needed <= pool.num_free or not demotes(victim, self.kv_placement, self.blocks):
                 return
             self._make_room(victim)

@@ -210,6 +210,28 @@ def test_demotion_takes_the_row_nearest_its_end_and_promotion_the_row_furthest_f
     assert few_left.location == rows[2].location == CPU  # rows[2]: 5 tokens left
 
 
+@pytest.mark.parametrize("host_lane", ["keeps up", "would not step"])
+def test_a_row_the_host_lane_would_not_step_is_demoted_newest_first_as_gpu_preempts(host_lane):
+    """A demoted row the host lane would not step with (it makes fewer tokens a second than it costs the device
+    lane) sits parked until device room frees, so the newest row goes, to come back at the head of the queue with
+    most of its tokens to go; a lane that keeps up takes the row nearest its end, which finishes there."""
+    from offload_engine.engine.scheduler import Scheduler
+    from tests.engine.test_lane_costs import _lanes
+
+    # Three device rows at 10 ms a step (300 tok/s), 15 ms beside the host lane: a host step costs ~100 tok/s.
+    # A host step of one row takes 2 ms (500 tok/s) or 20 ms (50 tok/s).
+    fixed = 0.002 if host_lane == "keeps up" else 0.020
+    stats = _lanes(3, 0.010, fixed=fixed, per_byte=1e-9, busy_step=0.015)
+    blocks = BlockManager(num_gpu_blocks=6, block_size=4, num_cpu_blocks=16, cpu_block_size=4)
+    scheduler = Scheduler(blocks, "auto", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                          eos_token_ids=(), kv_promotion=True, stats=stats)
+    old, near_end, new = (_decoding(scheduler, blocks, 8, left, GPU) for left in (20, 3, 12))
+    demoted = near_end if host_lane == "keeps up" else new
+    assert scheduler.schedule_decode(GPU) == [s for s in (old, near_end, new) if s is not demoted]
+    assert [seq for seq, _ in scheduler.take_demotions()[0]] == [demoted] and demoted.location == CPU
+    assert scheduler.num_preemptions == 0 and not stats.checks  # a prediction, not a host step's check
+
+
 def test_a_full_pool_waits_for_a_demotions_copy_rather_than_demoting_again():
     from offload_engine.engine.scheduler import Scheduler
     from tests.engine.test_block_manager import _Copy
