@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_int_tensor, interpreted, next_power_of_2, on_device
+from ._common import check_int_tensor, next_power_of_2, on_device
 
 # See the module docstring: enough accesses in flight for PCIe, few SMs taken from the step beside.
 READ_PROGRAMS = 16
@@ -68,19 +68,15 @@ def _copy_kernel(host, token_slots, blocks, rows, slots, num_tokens, num_units,
 
 
 def compile_host_block_copies(host_stacked: torch.Tensor, token_slots: torch.Tensor) -> None:
-    """Compiles both directions for these pools now, launching nothing (the engine's start-up: not in a run's
-    first move). A no-op under Triton's interpreter."""
-    if interpreted(token_slots.device):
-        return
+    """Compiles both directions for these pools now and launches each once over no tokens (the engine's start-up),
+    so a run's first move neither compiles the kernel nor loads it: Triton loads a compiled kernel and builds its
+    launcher at the first launch, which `warmup` does not make. Compiled but not launched, the first demotion of a
+    machine's first run held the engine's thread 0.27-0.41 s (0.6B shape, 64 x (2048 + 256) at 2,304 blocks: 0.91x
+    gpu against 1.01x in the next process; H100 host, 2026-11-24, benchmarks/NOTES.md), though nothing compiled in
+    the run. A launch over no tokens reads and writes nothing."""
     index = torch.zeros(1, dtype=torch.int64, device=token_slots.device)
-    _, _, _, num_kv_heads, host_block, head_dim = host_stacked.shape
-    block_hd = next_power_of_2(num_kv_heads * head_dim)
-    with on_device(token_slots):
-        for to_host in (False, True):
-            _copy_kernel.warmup(host_stacked, token_slots, index, index, index, 1, 1, host_stacked.stride(1),
-                                host_stacked.stride(2), token_slots.stride(1), NUM_HEADS=num_kv_heads,
-                                HEAD_DIM=head_dim, HOST_BLOCK=host_block, BLOCK_HD=block_hd, TOKENS=TOKENS_PER_UNIT,
-                                TO_HOST=to_host, num_warps=_warps(block_hd), grid=(1,))
+    for to_host in (False, True):
+        _copy(host_stacked, token_slots, index, index[:0], index[:0], programs=1, to_host=to_host, launch_empty=True)
 
 
 def _warps(block_hd: int) -> int:
@@ -99,7 +95,8 @@ def scatter_host_blocks(host_stacked: torch.Tensor, token_slots: torch.Tensor, b
     _copy(host_stacked, token_slots, blocks, rows, slots, programs, to_host=True)
 
 
-def _copy(host_stacked, token_slots, blocks, rows, slots, programs: int, to_host: bool) -> None:
+def _copy(host_stacked, token_slots, blocks, rows, slots, programs: int, to_host: bool,
+          launch_empty: bool = False) -> None:
     layers, two, _, num_kv_heads, host_block, head_dim = host_stacked.shape
     if (token_slots.dim() != 5 or tuple(token_slots.shape[:2]) != (layers, two)
             or tuple(token_slots.shape[3:]) != (num_kv_heads, head_dim)):
@@ -111,12 +108,12 @@ def _copy(host_stacked, token_slots, blocks, rows, slots, programs: int, to_host
     check_int_tensor("rows", rows, (num_tokens,), (torch.int64,))
     check_int_tensor("slots", slots, (num_tokens,), (torch.int64,))
     check_int_tensor("blocks", blocks, (blocks.shape[0],), (torch.int64,))
-    if num_tokens == 0:
+    if num_tokens == 0 and not launch_empty:
         return
     units = layers * two * -(-num_tokens // TOKENS_PER_UNIT)
     block_hd = next_power_of_2(num_kv_heads * head_dim)
     with on_device(token_slots):
-        _copy_kernel[(min(programs, units),)](
+        _copy_kernel[(max(1, min(programs, units)),)](
             host_stacked, token_slots, blocks, rows, slots, num_tokens, units,
             host_stacked.stride(1), host_stacked.stride(2), token_slots.stride(1),
             NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, HOST_BLOCK=host_block, BLOCK_HD=block_hd,

@@ -3,7 +3,8 @@ scatter_host_blocks each token of a demotion the other way, in every layer, K an
 import pytest
 import torch
 
-from kernels.host_block_copies import gather_host_blocks, scatter_host_blocks
+from kernels import host_block_copies
+from kernels.host_block_copies import compile_host_block_copies, gather_host_blocks, scatter_host_blocks
 from tests.reference import on_test_device
 
 
@@ -57,3 +58,22 @@ def test_no_tokens_is_a_no_op_and_bad_shapes_are_refused(copy):
         copy(host, token_slots, empty, empty.int(), empty)
     with pytest.raises(ValueError, match="one dtype"):
         copy(host, token_slots.half(), empty, empty, empty)
+
+
+def test_start_up_compiles_and_launches_both_directions_and_moves_nothing(monkeypatch):
+    """compile_host_block_copies (the engine's start-up) launches each direction over no tokens: nothing changes,
+    and the moves after it compile nothing (a compile in a run's first move held the engine's thread)."""
+    gen = torch.Generator().manual_seed(12)
+    host = torch.randn((2, 2, 4, 2, 8, 16), generator=gen).to(torch.bfloat16)
+    token_slots = torch.randn((2, 2, 16, 2, 16), generator=gen).to(torch.bfloat16)
+    want_host, want_slots = host.clone(), token_slots.clone()
+    host, token_slots = on_test_device(host, token_slots)
+    compile_host_block_copies(host, token_slots)
+    assert torch.equal(host.cpu(), want_host) and torch.equal(token_slots.cpu(), want_slots)
+    if token_slots.is_cuda:
+        def compile_again(*args, **kwargs):
+            raise AssertionError("a move compiled the copy kernel again")
+        monkeypatch.setattr(host_block_copies._copy_kernel, "_do_compile", compile_again)
+    for copy in (gather_host_blocks, scatter_host_blocks):
+        index = torch.arange(3, dtype=torch.int64, device=token_slots.device)
+        copy(host, token_slots, index[:1], index, index + 5)
