@@ -196,8 +196,9 @@ def demotion_victims(device_rows: list[Sequence], host_rows: list[Sequence],
     the last requests started a few at a time behind such returns: 8B shape, 48 x (2048 + 512) at 2,560 blocks,
     the device lane ended on a tail of 15 rows falling to 3 over ~3.3 s, and five runs in seven read 0.92-0.96x
     "gpu", each with 400-500 host steps refused (H100 host, 2026-11-24). The replay of that point
-    (benchmarks/simulate_placement.py) reads 0.997 with this rule against 0.953 with the nearest-end order
-    alone, and no other point of its 73 falls below 0.97 for it (NOTES.md, 2026-11-24, ninth session)."""
+    (benchmarks/simulate_placement.py) reads 1.004 with this rule against 0.953 with the nearest-end order
+    alone, and no other point of its 73 falls below 0.97 for it; on the device, three runs read 0.987-0.999x,
+    still refusing 249-435 host steps, with 9-10 demotions instead of 16 (NOTES.md, 2026-11-24, ninth session)."""
     rows, host = list(device_rows), list(host_rows)
     while rows:
         victim = demotion_order(rows)[0]
