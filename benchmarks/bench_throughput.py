@@ -23,7 +23,7 @@ import torch
 from benchmarks.engine_run import measure, random_prompts
 from benchmarks.peers import hf_generate
 from benchmarks.workloads import PROFILES, BeyondVram, Profile, mixed_lengths
-from offload_engine.engine import placement
+from offload_engine.engine import placement as placement_rules
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -280,7 +280,7 @@ def part_name(profile: Profile, workloads: str, specs: list[BeyondVram]) -> str:
 def set_placement_constants(assignments: list[str]) -> dict[str, int | float]:
     """Sets engine/placement.py's numeric constants from NAME=VALUE strings, before any work; returns them. A name
     that is not such a constant, or a value of another type, is a ValueError that names what exists."""
-    known = {name: value for name, value in vars(placement).items()
+    known = {name: value for name, value in vars(placement_rules).items()
              if name.isupper() and isinstance(value, (int, float)) and not isinstance(value, bool)}
     constants = {}
     for assignment in assignments:
@@ -296,7 +296,7 @@ def set_placement_constants(assignments: list[str]) -> dict[str, int | float]:
             raise ValueError(f"--set-placement {assignment!r}: {name} takes a {type(known[name]).__name__}, "
                              f"e.g. {name}={known[name]}") from None
     for name, value in constants.items():
-        setattr(placement, name, value)
+        setattr(placement_rules, name, value)
     return constants
 
 
