@@ -10,15 +10,24 @@ device step at full batch with a host step in flight, over the median with the h
 several values (--device-seqs 10,32): at 32 rows of 1k tokens the step is GPU-bound and the lanes barely touch,
 while at the ~10 rows of the decode-heavy run auto's device steps were 5-7% slower than gpu's
 (profile_timeline.py, H100 host, 2026-11-22).
+
+--async-scheduling times the device lane as the engine runs it by default: a step is the interval from one
+device-step launch to the next, so host work that overlaps the GPU's step costs nothing. --beside names what
+runs beside the device lane in the "busy" run: the host lane (default); "memory", 14 threads streaming reads over
+4 GiB with no host lane (is it the host kernel's DRAM traffic?); or "spin", 14 threads spinning without memory
+traffic (is it the cores?).
 Writes benchmarks/results/<device>/lane_interference.json (or --out).
 """
 import argparse
+import contextlib
 import json
 import os
 import statistics
 import threading
 import time
 
+import numba
+import numpy as np
 import torch
 
 from benchmarks.engine_run import random_prompts
@@ -42,15 +51,26 @@ def force_placement(num_device: int) -> None:
     scheduler_module.choose_tier = choose
 
 
-def timed_runs(llm: LLM) -> list[dict]:
+def timed_runs(llm: LLM, cadence: bool = False, load: "BackgroundLoad | None" = None) -> list[dict]:
     """Wraps the runner so every step records its lane, batch, wall and thread CPU time, and (device lane)
-    whether a host step was in flight while it ran."""
+    whether a host step (or the background load) was in flight while it ran. With cadence, a device decode
+    step's wall time is the interval since the last device decode launch, and nothing waits for its tokens."""
     engine, records = llm.engine, []
     run = engine.runner.run
+    last_launch = [None]
 
     def timed(seqs, is_prefill, lane="device"):
-        busy = engine.in_flight is not None
+        busy = engine.in_flight is not None or (load is not None and load.running)
         wall, cpu = time.perf_counter(), time.thread_time()
+        if cadence and lane == "device":
+            previous, last_launch[0] = last_launch[0], None if is_prefill else wall
+            tokens = run(seqs, is_prefill, lane)
+            if is_prefill or previous is None:
+                return tokens
+            records.append({"lane": lane, "prefill": False, "batch": len(seqs), "host_busy": busy,
+                            "wall_ms": 1e3 * (wall - previous), "cpu_ms": float("nan"),
+                            "thread": threading.current_thread().name})
+            return tokens
         tokens = run(seqs, is_prefill, lane)
         if isinstance(tokens, DeferredTokens):  # a device step returns once queued: time it to its tokens
             tokens.wait()
@@ -66,6 +86,57 @@ def timed_runs(llm: LLM) -> list[dict]:
 
     engine.runner.run = timed
     return records
+
+
+@numba.njit(nogil=True, cache=True)
+def _stream(data: np.ndarray, rounds: int) -> float:
+    total = 0.0
+    for _ in range(rounds):
+        for i in range(0, data.size, 8):  # one float64 a cache line: the read rate, not the adds, bounds it
+            total += data[i]
+    return total
+
+
+@numba.njit(nogil=True, cache=True)
+def _spin(iterations: int) -> float:
+    x = 1.0
+    for _ in range(iterations):
+        x = x * 1.0000001 + 1e-9
+    return x
+
+
+class BackgroundLoad:
+    """Threads that read memory ("memory": 4 GiB split among them, as the host kernel streams its pool) or
+    only spin ("spin") beside the device lane, in numba without the GIL, until stopped."""
+
+    def __init__(self, kind: str, threads: int = 14):
+        self.kind, self.running, self._stop = kind, False, threading.Event()
+        chunk = (4 << 30) // 8 // threads
+        self._data = [np.random.rand(chunk) for _ in range(threads)] if kind == "memory" else [None] * threads
+        self._work(0)  # compile before the clock
+        self._threads = [threading.Thread(target=self._loop, args=(i,), daemon=True) for i in range(threads)]
+
+    def _work(self, i: int) -> None:
+        if self.kind == "memory":
+            _stream(self._data[i], 1)
+        else:
+            _spin(2_000_000)
+
+    def _loop(self, i: int) -> None:
+        while not self._stop.is_set():
+            self._work(i)
+
+    def __enter__(self):
+        self.running = True
+        for thread in self._threads:
+            thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        for thread in self._threads:
+            thread.join()
+        self.running = False
 
 
 def summarize(records: list[dict], batch: int) -> dict:
@@ -86,19 +157,23 @@ def summarize(records: list[dict], batch: int) -> dict:
 def run_case(path: str, args, device_seqs: int, with_host: bool) -> dict:
     vocab = 400 if args.model == "tiny" else 10000
     device_prompts = random_prompts([args.device_prompt] * device_seqs, vocab, seed=1)
-    host_prompts = random_prompts([args.host_prompt] * args.host_seqs, vocab, seed=2) if with_host else []
+    with_host_rows = with_host and args.beside == "host"
+    host_prompts = random_prompts([args.host_prompt] * args.host_seqs, vocab, seed=2) if with_host_rows else []
     budget = -(-(args.device_prompt + args.output) // 16)
-    # async_scheduling=False: each device step is timed from its launch to its tokens (timed_runs wraps run).
-    llm = LLM(path, kv_placement="auto", kv_promotion=False, async_scheduling=False, num_gpu_blocks=device_seqs * budget + 16,
-              cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_num_seqs=device_seqs + args.host_seqs,
+    # async_scheduling=False (the default here): each device step is timed from its launch to its tokens.
+    llm = LLM(path, kv_placement="auto", kv_promotion=False, async_scheduling=args.async_scheduling,
+              num_gpu_blocks=device_seqs * budget + 16, cpu_kv_cache_gb=args.cpu_kv_cache_gb,
+              max_num_seqs=device_seqs + args.host_seqs,
               max_model_len=max(args.device_prompt, args.host_prompt) + args.output)
     llm.generate([[7] * 64], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)  # warm-up
     force_placement(device_seqs)
-    records = timed_runs(llm)
+    load = BackgroundLoad(args.beside) if with_host and not with_host_rows else None
+    records = timed_runs(llm, cadence=args.async_scheduling, load=load)
     params = SamplingParams(temperature=0.6, max_tokens=args.output, ignore_eos=True)
     # Host-tier sequences are admitted after the device ones, so their prompts go last and start last.
     start = time.perf_counter()
-    outputs = llm.generate(device_prompts + host_prompts, params, use_tqdm=False)
+    with load or contextlib.nullcontext():
+        outputs = llm.generate(device_prompts + host_prompts, params, use_tqdm=False)
     seconds = time.perf_counter() - start
     assert [o.kv_location for o in outputs] == ["gpu"] * device_seqs + ["cpu"] * len(host_prompts)
     llm.close()
@@ -123,6 +198,10 @@ def main() -> None:
     parser.add_argument("--host-sm-share", type=int, default=None,
                         help="the host lane's matrix products target 1/N of the SMs for this run (1: all of them; the "
                              "engine's is engine/host_step_graphs.SM_SHARE)")
+    parser.add_argument("--async-scheduling", action="store_true",
+                        help="time the device lane's cadence (launch to launch) with async scheduling on")
+    parser.add_argument("--beside", choices=("host", "memory", "spin"), default="host",
+                        help="what runs beside the device lane in the busy run")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
@@ -144,10 +223,11 @@ def main() -> None:
         idle, busy = case["idle"]["device_step_ms_idle"], case["busy"]["device_step_ms_busy"]
         case["slowdown"] = busy / idle if idle and busy else None
         result["by_batch"][str(size)] = case
-        print(f"[{args.label}] device step at batch {size}: {idle:.2f} ms host lane idle, {busy:.2f} ms busy = "
-              f"{case['slowdown']:.3f}x; host step {case['busy']['host_step_ms']:.1f} ms (host work "
-              f"{case['busy']['host_work_ms']:.1f}, waits for the device {case['busy']['host_device_wait_ms']:.1f})",
-              flush=True)
+        busy_case = case["busy"]
+        host = (f"; host step {busy_case['host_step_ms']:.1f} ms (host work {busy_case['host_work_ms']:.1f}, waits "
+                f"for the device {busy_case['host_device_wait_ms']:.1f})" if busy_case["host_step_ms"] else "")
+        print(f"[{args.label}] device step at batch {size}: {idle:.2f} ms idle, {busy:.2f} ms beside "
+              f"{args.beside} = {case['slowdown']:.3f}x{host}", flush=True)
     out = args.out or os.path.join(RESULTS, result["device"], f"lane_interference_{args.label}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
