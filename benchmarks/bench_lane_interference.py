@@ -68,7 +68,7 @@ def timed_runs(llm: LLM, cadence: bool = False, load: "BackgroundLoad | None" = 
             if is_prefill or previous is None:
                 return tokens
             records.append({"lane": lane, "prefill": False, "batch": len(seqs), "host_busy": busy,
-                            "wall_ms": 1e3 * (wall - previous), "cpu_ms": float("nan"),
+                            "wall_ms": 1e3 * (wall - previous), "cpu_ms": None,
                             "thread": threading.current_thread().name})
             return tokens
         tokens = run(seqs, is_prefill, lane)
@@ -80,7 +80,8 @@ def timed_runs(llm: LLM, cadence: bool = False, load: "BackgroundLoad | None" = 
         if lane == "host":  # the loop's own split of its step (whole-step host graphs only)
             record["host_work_ms"] = 1e3 * engine.runner.host_kernel_seconds["host"]
             graphs = engine.runner.decode_graphs.get("host")
-            record["device_wait_ms"] = 1e3 * getattr(graphs, "last_device_wait_seconds", float("nan"))
+            wait = getattr(graphs, "last_device_wait_seconds", None)  # None: no whole-step host graphs (CPU)
+            record["device_wait_ms"] = None if wait is None else 1e3 * wait
         records.append(record)
         return tokens
 
@@ -143,8 +144,9 @@ def summarize(records: list[dict], batch: int) -> dict:
     device = [r for r in records if r["lane"] == "device" and not r["prefill"] and r["batch"] == batch]
     host = [r for r in records if r["lane"] == "host"]
 
-    def median(rows, key):
-        return statistics.median(r[key] for r in rows) if rows else None
+    def median(rows, key):  # None where no row measured it (cadence records no thread CPU time)
+        values = [r[key] for r in rows if r[key] is not None]
+        return statistics.median(values) if values else None
 
     idle, busy = [r for r in device if not r["host_busy"]], [r for r in device if r["host_busy"]]
     return {"device_steps_idle": len(idle), "device_steps_busy": len(busy),
@@ -224,14 +226,15 @@ def main() -> None:
         case["slowdown"] = busy / idle if idle and busy else None
         result["by_batch"][str(size)] = case
         busy_case = case["busy"]
+        wait = busy_case["host_device_wait_ms"]
         host = (f"; host step {busy_case['host_step_ms']:.1f} ms (host work {busy_case['host_work_ms']:.1f}, waits "
-                f"for the device {busy_case['host_device_wait_ms']:.1f})" if busy_case["host_step_ms"] else "")
+                f"for the device {'n/a' if wait is None else f'{wait:.1f}'})" if busy_case["host_step_ms"] else "")
         print(f"[{args.label}] device step at batch {size}: {idle:.2f} ms idle, {busy:.2f} ms beside "
               f"{args.beside} = {case['slowdown']:.3f}x{host}", flush=True)
     out = args.out or os.path.join(RESULTS, result["device"], f"lane_interference_{args.label}.json")
     os.makedirs(os.path.dirname(out), exist_ok=True)
     with open(out, "w") as f:
-        json.dump(result, f, indent=2)
+        json.dump(result, f, indent=2, allow_nan=False)
 
 
 if __name__ == "__main__":
