@@ -2,7 +2,7 @@
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
-#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-paired, amx-probe, placement-8b,
+#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-words, host-kernel-paired, amx-probe, placement-8b,
 #   placement-mixed, placement-ab, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/nvidia-h200
@@ -80,6 +80,10 @@ case "${1:-check}" in
     # 1 x 128k, 32 x 2,048 and a whole 36-layer host-lane step of 32 x 2,048 (decode_layers)
     step host_kernel_rate 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,bf16_dot,base_again \
       --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_lane.json"
+    ;;
+  host-kernel-words)  # the word tiles (default) against value-by-value widening (no_words), base timed twice
+    step host_kernel_rate_words 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,no_words,base_again \
+      --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_words.json"
     ;;
   host-kernel-paired)  # issue 11's 1 x 128k figure: each round against the ceiling read right before it
     for H in 32 16; do

@@ -24,7 +24,8 @@ Work split: an item is (sequence, split, run of kv heads); a split is chunk_bloc
 sequence, so one long sequence still feeds every core (split-K), and the run is all of a block's kv heads where
 that leaves enough items (plan_work). Each (kv head) of an item runs an online softmax block by block: scores
 of the whole block first, then max/exp, then the V accumulation; the group's query heads share every K/V row
-they load (GQA). Each item widens its group's queries once and every K and V element as it is loaded. With
+they load (GQA). Each item widens its group's queries once and every K and V element as it is loaded; bfloat16
+caches whose head_dim is a multiple of 32 are read as 32-bit words, two values a lane (the word tiles). With
 OFFLOAD_ENGINE_BF16_DOT=1 on CPUs that have AVX-512 BF16, the products come from `vdpbf16ps` on the bit patterns
 as stored instead (`_block_scores_bf16`, `_block_values_bf16`): 32 exact products an instruction, nothing
 widened; it no longer measures faster (_use_bf16_dot). Workers take items from an atomic counter: numba's
@@ -37,6 +38,7 @@ file of the cached function alone, so a helper edited in another file would be s
 import math
 import os
 import platform
+import sys
 
 import numpy as np
 from llvmlite import ir
@@ -213,13 +215,34 @@ _HALVES = ir.VectorType(ir.IntType(16), BF16_LANES)  # 32 bfloat16 patterns as l
 _BFLOATS = ir.VectorType(_BFloat(), BF16_LANES)  # the same bits as vdpbf16ps takes them
 
 
+def _tile_addresses(context, builder, signature, args):
+    """LLVM's intp and a tile's seven integer arguments as intp (addresses, row strides in bytes, dim)."""
+    return context.get_value_type(types.intp), [context.cast(builder, args[i], signature.args[i], types.intp)
+                                                for i in range(7)]
+
+
 def _tile_setup(context, builder, signature, args):
-    """What every tile's codegen starts from: LLVM's intp, its seven integer arguments as intp (addresses, row
-    strides in bytes, dim), and the vdpbf16ps intrinsic."""
-    integers = [context.cast(builder, args[i], signature.args[i], types.intp) for i in range(7)]
+    """What every vdpbf16ps tile's codegen starts from: _tile_addresses and the vdpbf16ps intrinsic."""
     dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS, _BFLOATS, _BFLOATS]),
                                          "llvm.x86.avx512bf16.dpbf16ps.512")
-    return context.get_value_type(types.intp), integers, dot
+    return (*_tile_addresses(context, builder, signature, args), dot)
+
+
+def _store_sums(builder, intp, vectors, num_heads, num_rows, s_addr, s_step, scale):
+    """scores[i, j] = the total of vectors[i * num_rows + j] (times scale, an LLVM float, unless None), rows of
+    num_rows float32 at s_addr + i * s_step: one _reduce_across for the whole tile, then one store a head."""
+    lanes, owner = _reduce_across(builder, vectors)
+    if scale is not None:
+        lanes = builder.fmul(lanes, _splat(builder, scale, 16))
+    for i in range(num_heads):
+        address = builder.add(s_addr, builder.mul(s_step, intp(i)))
+        if num_rows == 1:
+            value = builder.extract_element(lanes, ir.IntType(32)(owner.index(i)))
+            builder.store(value, builder.inttoptr(address, ir.FloatType().as_pointer()))
+            continue
+        row = builder.shuffle_vector(lanes, lanes, ir.Constant(
+            ir.VectorType(ir.IntType(32), num_rows), [owner.index(i * num_rows + j) for j in range(num_rows)]))
+        builder.store(row, builder.inttoptr(address, ir.VectorType(ir.FloatType(), num_rows).as_pointer()), align=4)
 
 
 def _bf16_tile(num_heads, num_rows):
@@ -255,19 +278,7 @@ def _bf16_tile(num_heads, num_rows):
                     for j in range(num_rows):
                         builder.store(builder.call(dot, [builder.load(sums[i][j]), qs[i], ks[j]]), sums[i][j])
             vectors = [builder.load(sums[i][j]) for i in range(num_heads) for j in range(num_rows)]
-            lanes, scaled = _reduce_across(builder, vectors), None
-            for i in range(num_heads):
-                address = builder.add(s_addr, builder.mul(s_step, intp(i)))
-                if num_rows == 1:
-                    value = builder.extract_element(lanes[0], ir.IntType(32)(lanes[1].index(i)))
-                    builder.store(builder.fmul(value, args[7]), builder.inttoptr(address, ir.FloatType().as_pointer()))
-                    continue
-                if scaled is None:
-                    scaled = builder.fmul(lanes[0], _splat(builder, args[7], 16))
-                row = builder.shuffle_vector(scaled, scaled, ir.Constant(
-                    ir.VectorType(ir.IntType(32), num_rows), [lanes[1].index(i * num_rows + j) for j in range(num_rows)]))
-                builder.store(row, builder.inttoptr(address, ir.VectorType(ir.FloatType(), num_rows).as_pointer()),
-                              align=4)
+            _store_sums(builder, intp, vectors, num_heads, num_rows, s_addr, s_step, args[7])
             return context.get_dummy_value()
 
         integers = (q, q_row, k, k_row, scores, score_row, dim)
@@ -382,6 +393,201 @@ _vtile_4x8, _vtile_2x8, _vtile_1x8 = _bf16_values_tile(4, 8), _bf16_values_tile(
 _vtile_4x1, _vtile_2x1, _vtile_1x1 = _bf16_values_tile(4, 1), _bf16_values_tile(2, 1), _bf16_values_tile(1, 1)
 
 _tile_4x4, _tile_2x4, _tile_1x4, _tile_1x1 = _bf16_tile(4, 4), _bf16_tile(2, 4), _bf16_tile(1, 4), _bf16_tile(1, 1)
+
+
+# ---- bfloat16 as 32-bit words: two values widened per lane ---------------------------------------------------
+# Widening value by value costs two instructions per 16 bfloat16 values (zero-extend, shift), and each (head, row)
+# dot product ends in a horizontal sum of its own: on the GPU hosts' Xeons the arithmetic, not the memory, set
+# the kernel's rate over one long sequence (benchmarks/NOTES.md, 2026-11-23). Loaded as 16 32-bit words, 32 values
+# are one vector: shifted up 16 bits, each word's low half (the even value; x86 and ARM are little-endian) is its
+# float32, and masked, the high half (the odd value) is. Two instructions per 32 values; the products and sums
+# run on even and odd values apart, so queries and accumulators are held in that order within every stretch of
+# 32 (_split_pairs, undone by _join_pairs), and a tile's dot products are summed by one _reduce_across. The
+# products are the widening path's, exact in float32; only the order of the float32 sums differs.
+WORD_TILES = sys.byteorder == "little"  # profile_host_kernel_rate's "no_words" variant turns the path off
+WORD_VALUES = 32  # bfloat16 values per word vector: head_dim must be a multiple of this
+_WORDS = ir.VectorType(ir.IntType(32), 16)
+
+
+def _load_at(builder, address, kind, align):
+    return builder.load(builder.inttoptr(address, kind.as_pointer()), align=align)
+
+
+def _store_at(builder, value, address, align):
+    builder.store(value, builder.inttoptr(address, value.type.as_pointer()), align=align)
+
+
+def _word_halves(builder, words):
+    """(even, odd): the float32 values of the 32 bfloat16 patterns in 16 words."""
+    even = builder.bitcast(builder.shl(words, ir.Constant(_WORDS, [16] * 16)), _FLOATS)
+    odd = builder.bitcast(builder.and_(words, ir.Constant(_WORDS, [-65536] * 16)), _FLOATS)  # 0xFFFF0000
+    return even, odd
+
+
+def _multiply_add(builder):
+    """llvm.fmuladd on 16 float32 lanes: a * b + c, fused where the CPU has FMA."""
+    return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS] * 3),
+                                          "llvm.fmuladd.v16f32")
+
+
+def _word_scores_tile(num_heads, num_rows):
+    """An intrinsic tile(q, q_row, k, k_row, scores, score_row, dim), on addresses and row strides in bytes
+    (ints): scores[i, j] = q[i] . k[j] for i < num_heads, j < num_rows, where k holds bfloat16 patterns in rows of
+    `dim` (a multiple of WORD_VALUES) and q float32 queries, scaled, in even/odd order (_split_pairs).
+
+    Tiles of fewer than eight (head, row) pairs keep even and odd sums apart, so that at least eight chains of
+    multiply-adds are in flight."""
+    apart = num_heads * num_rows < 8
+
+    @intrinsic
+    def tile(typingctx, q, q_row, k, k_row, scores, score_row, dim):
+        def codegen(context, builder, signature, args):
+            intp, (q_addr, q_step, k_addr, k_step, s_addr, s_step, length) = _tile_addresses(
+                context, builder, signature, args)
+            fma = _multiply_add(builder)
+            sums = [[[cgutils.alloca_once_value(builder, ir.Constant(_FLOATS, None)) for _ in range(1 + apart)]
+                     for _ in range(num_rows)] for _ in range(num_heads)]
+            with cgutils.for_range(builder, builder.udiv(length, intp(WORD_VALUES))) as loop:
+                k_offset = builder.mul(loop.index, intp(2 * WORD_VALUES))  # bytes into a K row
+                q_offset = builder.mul(loop.index, intp(4 * WORD_VALUES))  # bytes into a query row
+                halves = [_word_halves(builder, _load_at(
+                    builder, builder.add(builder.add(k_addr, builder.mul(k_step, intp(j))), k_offset), _WORDS, 2))
+                    for j in range(num_rows)]
+                for i in range(num_heads):
+                    base = builder.add(builder.add(q_addr, builder.mul(q_step, intp(i))), q_offset)
+                    queries = (_load_at(builder, base, _FLOATS, 4),
+                               _load_at(builder, builder.add(base, intp(64)), _FLOATS, 4))
+                    for j in range(num_rows):
+                        for half in range(2):
+                            total = sums[i][j][half if apart else 0]
+                            builder.store(builder.call(fma, [queries[half], halves[j][half], builder.load(total)]),
+                                          total)
+            vectors = []
+            for i in range(num_heads):
+                for j in range(num_rows):
+                    total = builder.load(sums[i][j][0])
+                    vectors.append(builder.fadd(total, builder.load(sums[i][j][1])) if apart else total)
+            _store_sums(builder, intp, vectors, num_heads, num_rows, s_addr, s_step, None)
+            return context.get_dummy_value()
+
+        integers = (q, q_row, k, k_row, scores, score_row, dim)
+        if not all(isinstance(a, types.Integer) for a in integers):
+            return None
+        return types.void(*integers), codegen
+
+    return tile
+
+
+def _word_values_tile(num_heads, num_rows):
+    """An intrinsic tile(v, v_row, p, p_row, acc, acc_row, dim), on addresses and row strides in bytes (ints):
+    acc[i] += sum_j p[i, j] * v[j] for i < num_heads, j < num_rows, where v holds bfloat16 patterns in rows of
+    `dim` (a multiple of WORD_VALUES), p is float32 and acc float32 rows in even/odd order (_join_pairs puts them
+    back). Each accumulator row is loaded and stored once per tile, and each probability broadcast once."""
+
+    @intrinsic
+    def tile(typingctx, v, v_row, p, p_row, acc, acc_row, dim):
+        def codegen(context, builder, signature, args):
+            intp, (v_addr, v_step, p_addr, p_step, a_addr, a_step, length) = _tile_addresses(
+                context, builder, signature, args)
+            fma = _multiply_add(builder)
+            weights = [[_splat(builder, _load_at(builder, builder.add(builder.add(p_addr, builder.mul(p_step, intp(i))),
+                                                                      intp(4 * j)), ir.FloatType(), 4), 16)
+                        for j in range(num_rows)] for i in range(num_heads)]
+            with cgutils.for_range(builder, builder.udiv(length, intp(WORD_VALUES))) as loop:
+                v_offset = builder.mul(loop.index, intp(2 * WORD_VALUES))  # bytes into a V row
+                a_offset = builder.mul(loop.index, intp(4 * WORD_VALUES))  # bytes into an accumulator row
+                halves = [_word_halves(builder, _load_at(
+                    builder, builder.add(builder.add(v_addr, builder.mul(v_step, intp(j))), v_offset), _WORDS, 2))
+                    for j in range(num_rows)]
+                for i in range(num_heads):
+                    base = builder.add(builder.add(a_addr, builder.mul(a_step, intp(i))), a_offset)
+                    for half in range(2):
+                        address = builder.add(base, intp(64 * half))
+                        total = _load_at(builder, address, _FLOATS, 4)
+                        for j in range(num_rows):
+                            total = builder.call(fma, [weights[i][j], halves[j][half], total])
+                        _store_at(builder, total, address, 4)
+            return context.get_dummy_value()
+
+        integers = (v, v_row, p, p_row, acc, acc_row, dim)
+        if not all(isinstance(a, types.Integer) for a in integers):
+            return None
+        return types.void(*integers), codegen
+
+    return tile
+
+
+def _row_shuffle(first_half, second_half, doc):
+    """An intrinsic shuffle(address, dim) rearranging a float32 row of `dim` values (a multiple of WORD_VALUES) in
+    place, 32 at a time: the stretch's two 16-lane vectors a, b become shuffle(a, b, first_half) and shuffle(a, b,
+    second_half)."""
+
+    @intrinsic
+    def shuffle(typingctx, address, dim):
+        def codegen(context, builder, signature, args):
+            intp = context.get_value_type(types.intp)
+            start, length = (context.cast(builder, args[i], signature.args[i], types.intp) for i in range(2))
+            masks = [ir.Constant(ir.VectorType(ir.IntType(32), 16), half) for half in (first_half, second_half)]
+            with cgutils.for_range(builder, builder.udiv(length, intp(WORD_VALUES))) as loop:
+                base = builder.add(start, builder.mul(loop.index, intp(4 * WORD_VALUES)))
+                a = _load_at(builder, base, _FLOATS, 4)
+                b = _load_at(builder, builder.add(base, intp(64)), _FLOATS, 4)
+                for half, mask in enumerate(masks):
+                    _store_at(builder, builder.shuffle_vector(a, b, mask), builder.add(base, intp(64 * half)), 4)
+            return context.get_dummy_value()
+
+        if not (isinstance(address, types.Integer) and isinstance(dim, types.Integer)):
+            return None
+        return types.void(address, dim), codegen
+
+    shuffle.__doc__ = doc
+    return shuffle
+
+
+_split_pairs = _row_shuffle(list(range(0, 32, 2)), list(range(1, 32, 2)),
+                            "A row into even/odd order: in each stretch of 32, the even-indexed values, then the odd.")
+_join_pairs = _row_shuffle([w // 2 + (w % 2) * 16 for w in range(16)], [8 + w // 2 + (w % 2) * 16 for w in range(16)],
+                           "_split_pairs undone.")
+
+
+@intrinsic
+def _max_of(typingctx, address, count):
+    """The largest of `count` float32 values at `address` (count >= 1, none NaN): 16 lanes at a time, then a fold
+    across the lanes and the rest one by one. numba's max() does not vectorize as a reduction, and a scalar chain of
+    compares over a block's scores costs as much as a tile of its dot products."""
+    if not (isinstance(address, types.Integer) and isinstance(count, types.Integer)):
+        return None
+
+    def codegen(context, builder, signature, args):
+        intp = context.get_value_type(types.intp)
+        start, length = (context.cast(builder, args[i], signature.args[i], types.intp) for i in range(2))
+
+        def larger(a, b):
+            return builder.select(builder.fcmp_ordered(">", a, b), a, b)
+
+        top = cgutils.alloca_once_value(builder, _splat(builder, ir.Constant(ir.FloatType(), -math.inf), 16))
+        whole = builder.udiv(length, intp(16))
+        with cgutils.for_range(builder, whole) as loop:
+            vector = _load_at(builder, builder.add(start, builder.mul(loop.index, intp(64))), _FLOATS, 4)
+            builder.store(larger(vector, builder.load(top)), top)
+        vector = builder.load(top)
+        for half in (8, 4, 2, 1):
+            rotated = builder.shuffle_vector(vector, vector, ir.Constant(ir.VectorType(ir.IntType(32), 16),
+                                                                          [(p + half) % 16 for p in range(16)]))
+            vector = larger(rotated, vector)
+        best = cgutils.alloca_once_value(builder, builder.extract_element(vector, ir.IntType(32)(0)))
+        with cgutils.for_range_slice(builder, builder.mul(whole, intp(16)), length, intp(1)) as (index, _):
+            value = _load_at(builder, builder.add(start, builder.mul(index, intp(4))), ir.FloatType(), 4)
+            builder.store(larger(value, builder.load(best)), best)
+        return builder.load(best)
+
+    return types.float32(address, count), codegen
+
+
+_wtile_4x4, _wtile_2x4, _wtile_1x4, _wtile_1x1 = (_word_scores_tile(4, 4), _word_scores_tile(2, 4),
+                                                  _word_scores_tile(1, 4), _word_scores_tile(1, 1))
+_wvtile_4x8, _wvtile_2x8, _wvtile_1x8 = _word_values_tile(4, 8), _word_values_tile(2, 8), _word_values_tile(1, 8)
+_wvtile_4x1, _wvtile_2x1, _wvtile_1x1 = _word_values_tile(4, 1), _word_values_tile(2, 1), _word_values_tile(1, 1)
 
 
 # ---- the split plan ----------------------------------------------------------------------------------------
@@ -632,6 +838,76 @@ def _scores_bf16_impl(q, h0, group, kb, n, scores, block_max, k_cache, next_bloc
     return lambda q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale: None
 
 
+def _word_tiles_apply(q, dim):
+    """Whether _block_scores_words and _block_values_words serve these queries (numba-only: see the overload)."""
+    raise NotImplementedError
+
+
+@overload(_word_tiles_apply, inline="always")
+def _word_tiles_apply_impl(q, dim):
+    if WORD_TILES and not BF16_DOT and isinstance(q, types.Array) and q.dtype == types.uint16:
+        return lambda q, dim: dim % WORD_VALUES == 0
+    return lambda q, dim: False
+
+
+@njit(nogil=True)
+def _block_scores_words(wide_q, h0, group, kb, n, scores, block_max, k_cache, next_block):
+    """_block_scores on word tiles, for a bfloat16 K block, D a multiple of WORD_VALUES and wide_q in even/odd
+    order: the same passes (four rows by a quad, a pair or a single head of the group), then each head's max."""
+    dim = kb.shape[1]
+    step = CACHE_LINE_BYTES // kb.itemsize
+    quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
+    q_step, k_step, s_step = wide_q.strides[0], kb.strides[0], scores.strides[0]
+    heads, rows, out = wide_q.ctypes.data + h0 * q_step, kb.ctypes.data, scores.ctypes.data
+    for t in range(0, n4, 4):
+        for r in range(4):
+            _prefetch_row(k_cache, next_block + (t + r) * dim, step)
+        k = rows + t * k_step
+        for g in range(0, quads, 4):
+            _wtile_4x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim)
+        for g in range(quads, pairs, 2):
+            _wtile_2x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim)
+        for g in range(pairs, group):
+            _wtile_1x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim)
+    for t in range(n4, n):
+        _prefetch_row(k_cache, next_block + t * dim, step)
+        for g in range(group):
+            _wtile_1x1(heads + g * q_step, q_step, rows + t * k_step, k_step, out + g * s_step + 4 * t, s_step, dim)
+    for g in range(group):
+        block_max[g] = _max_of(out + g * s_step, n)
+
+
+@njit(nogil=True)
+def _block_values_words(vb, n, scores, acc, v_cache, next_block):
+    """_block_values on word tiles, for a bfloat16 V block, D a multiple of WORD_VALUES and acc in even/odd order:
+    eight rows a pass, the group's heads in quads, then a pair, then a single head; the last n % 8 rows (a partial
+    last block only) one at a time."""
+    group, dim = acc.shape
+    step = CACHE_LINE_BYTES // vb.itemsize
+    quads, pairs, n8 = group - group % 4, group - group % 2, n - n % 8
+    v_step, p_step, a_step = vb.strides[0], scores.strides[0], acc.strides[0]
+    rows, weights, sums = vb.ctypes.data, scores.ctypes.data, acc.ctypes.data
+    for t in range(0, n8, 8):
+        for r in range(8):
+            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
+        v = rows + t * v_step
+        for g in range(0, quads, 4):
+            _wvtile_4x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(quads, pairs, 2):
+            _wvtile_2x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(pairs, group):
+            _wvtile_1x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+    for t in range(n8, n):
+        _prefetch_row(v_cache, next_block + t * dim, step)
+        v = rows + t * v_step
+        for g in range(0, quads, 4):
+            _wvtile_4x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(quads, pairs, 2):
+            _wvtile_2x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for g in range(pairs, group):
+            _wvtile_1x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+
+
 @njit(nogil=True, fastmath=FASTMATH)
 def _softmax_update(scores, n, block_maxes, running_max, running_sum, acc):
     """Turns the block's scores into exp(score - new max) in place; rescales the history only when the max
@@ -704,16 +980,19 @@ def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h0
     """Online softmax of one sequence's kv heads h0..h0+heads-1 over blocks first..last-1 of its table row, in
     the cache's order: block by block, and within a block head by head. q [Hq, D] is the sequence's query as
     given; wide_q [Hq, D] is the worker's scratch for the heads' queries widened and scaled, where the scores do
-    not come from bfloat16 dot products. accs[i] [group, D] accumulates head h0 + i; stats is the worker's
-    scratch: row 0 the block max, rows 1 + 2i and 2 + 2i head h0 + i's running max and sum."""
+    not come from bfloat16 dot products (in even/odd order where the word tiles apply). accs[i] [group, D]
+    accumulates head h0 + i (in even/odd order on the word tiles until the end); stats is the worker's scratch:
+    row 0 the block max, rows 1 + 2i and 2 + 2i head h0 + i's running max and sum."""
     _prefer_wide_vectors()
     group, dim = accs.shape[1], accs.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
-    bf16 = _bf16_dot_applies(q, dim)
+    bf16, words = _bf16_dot_applies(q, dim), _word_tiles_apply(q, dim)
     if not bf16:
         for g in range(h0 * group, (h0 + heads) * group):
             for d in range(dim):
                 wide_q[g, d] = widen(q[g, d]) * scale
+            if words:
+                _split_pairs(wide_q.ctypes.data + g * wide_q.strides[0], dim)
     for i in range(heads):
         stats[1 + 2 * i, :group] = -np.inf
         stats[2 + 2 * i, :group] = 0.0
@@ -740,13 +1019,21 @@ def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h0
         block_max, running_max, running_sum = stats[0], stats[1 + 2 * i], stats[2 + 2 * i]
         if bf16:
             _scores_bf16(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run, scale)
+        elif words:
+            _block_scores_words(wide_q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run)
         else:
             _block_scores(wide_q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run)
         _softmax_update(scores, n, block_max, running_max, running_sum, accs[i])
         if bf16:
             _values_bf16(v_cache[block, h], n, scores, accs[i], v_cache, next_run)
+        elif words:
+            _block_values_words(v_cache[block, h], n, scores, accs[i], v_cache, next_run)
         else:
             _block_values(v_cache[block, h], n, scores, accs[i], v_cache, next_run)
+    if words:  # the accumulators back in natural order for the merge
+        for i in range(heads):
+            for g in range(group):
+                _join_pairs(accs.ctypes.data + i * accs.strides[0] + g * accs.strides[1], dim)
 
 
 @njit(nogil=True, fastmath=FASTMATH)
