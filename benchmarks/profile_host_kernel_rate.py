@@ -76,7 +76,7 @@ VARIANTS = {
     "pf_page": [(_PREFETCH_ROW, _sparse_prefetch_row(16))],
     "pf_page_far": [(_PREFETCH_ROW, _sparse_prefetch_row(16)), ("PREFETCH_ROWS = 64 ", "PREFETCH_ROWS = 256 ")],
     "widen": [("BF16_DOT = _use_bf16_dot()", "BF16_DOT = False")],
-    "no_words": [('WORD_TILES = sys.byteorder == "little"', "WORD_TILES = False")],  # value by value, as before
+    "no_words": [('WORD_TILES = sys.byteorder == "little" and', "WORD_TILES = False and")],  # value by value
     "bf16_dot": [("BF16_DOT = _use_bf16_dot()", "BF16_DOT = _host_has_bf16_dot()")],  # the vdpbf16ps path
     "base_again": [],  # the same code timed twice in one run: the run's own noise
     "v_interleaved": [(_INTERLEAVE, "                    mixed.append((builder.bitcast(first, _BFLOATS), "

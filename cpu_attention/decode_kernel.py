@@ -404,7 +404,9 @@ _tile_4x4, _tile_2x4, _tile_1x4, _tile_1x1 = _bf16_tile(4, 4), _bf16_tile(2, 4),
 # run on even and odd values apart, so queries and accumulators are held in that order within every stretch of
 # 32 (_split_pairs, undone by _join_pairs), and a tile's dot products are summed by one _reduce_across. The
 # products are the widening path's, exact in float32; only the order of the float32 sums differs.
-WORD_TILES = sys.byteorder == "little"  # profile_host_kernel_rate's "no_words" variant turns the path off
+# OFFLOAD_ENGINE_WORD_TILES=0 turns the path off (value by value, as before); like OFFLOAD_ENGINE_BF16_DOT, frozen
+# into the compiled kernel, so a process that sets it needs its own NUMBA_CACHE_DIR.
+WORD_TILES = sys.byteorder == "little" and os.environ.get("OFFLOAD_ENGINE_WORD_TILES", "1") != "0"
 WORD_VALUES = 32  # bfloat16 values per word vector: head_dim must be a multiple of this
 _WORDS = ir.VectorType(ir.IntType(32), 16)
 

@@ -240,7 +240,7 @@ _PATH_CHECK = """
 import math, sys, numba, torch
 from cpu_attention import decode_kernel, paged_decode_attention
 from tests.reference import paged_decode_reference, random_paged_kv, relative_error
-assert decode_kernel.BF16_DOT == (sys.argv[1] == "1")
+assert decode_kernel.BF16_DOT == (sys.argv[1] == "1") and decode_kernel.WORD_TILES == (sys.argv[2] == "1")
 numba.set_num_threads(1)  # one thread: the long row's items take runs of kv heads (plan_work)
 for group, head_dim, block_size, lens in ((4, 128, 64, [200, 64, 1, 0]), (2, 64, 16, [33, 16, 5]),
                                           (4, 128, 16, [300 * 16 + 3, 40, 0])):
@@ -253,17 +253,17 @@ for group, head_dim, block_size, lens in ((4, 128, 64, [200, 64, 1, 0]), (2, 64,
 """
 
 
-@pytest.mark.parametrize("dot", ["0", "1"], ids=["widening", "bf16_dot"])
-def test_bfloat16_paths_match(dot, tmp_path):
-    """Both paths for bfloat16 caches on any CPU that can run them: widening (the default, and the only path without
-    AVX-512 BF16) and vdpbf16ps (OFFLOAD_ENGINE_BF16_DOT=1). Each in a process of its own with a numba cache of its
-    own (the switch is not part of numba's cache key)."""
+@pytest.mark.parametrize("dot,words", [("0", "1"), ("0", "0"), ("1", "1")], ids=["words", "widening", "bf16_dot"])
+def test_bfloat16_paths_match(dot, words, tmp_path):
+    """Every path for bfloat16 caches on any CPU that can run it: word tiles (the default), value-by-value widening
+    (OFFLOAD_ENGINE_WORD_TILES=0) and vdpbf16ps (OFFLOAD_ENGINE_BF16_DOT=1, AVX-512 BF16 only). Each in a process of
+    its own with a numba cache of its own (the switches are not part of numba's cache key)."""
     from cpu_attention.decode_kernel import _host_has_bf16_dot
 
     if dot == "1" and not _host_has_bf16_dot():
         pytest.skip("this CPU has no AVX-512 BF16")
-    env = dict(os.environ, OFFLOAD_ENGINE_BF16_DOT=dot, NUMBA_CACHE_DIR=str(tmp_path))
-    done = subprocess.run([sys.executable, "-c", _PATH_CHECK, dot], env=env, capture_output=True, text=True,
+    env = dict(os.environ, OFFLOAD_ENGINE_BF16_DOT=dot, OFFLOAD_ENGINE_WORD_TILES=words, NUMBA_CACHE_DIR=str(tmp_path))
+    done = subprocess.run([sys.executable, "-c", _PATH_CHECK, dot, words], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], timeout=600)
     assert done.returncode == 0, done.stderr
     lines = done.stdout.strip().splitlines()
