@@ -229,11 +229,10 @@ def _tile_setup(context, builder, signature, args):
 
 
 def _store_sums(builder, intp, vectors, num_heads, num_rows, s_addr, s_step, scale):
-    """scores[i, j] = the total of vectors[i * num_rows + j] (times scale, an LLVM float, unless None), rows of
-    num_rows float32 at s_addr + i * s_step: one _reduce_across for the whole tile, then one store a head."""
+    """scores[i, j] = scale (an LLVM float) times the total of vectors[i * num_rows + j], rows of num_rows float32
+    at s_addr + i * s_step: one _reduce_across for the whole tile, then one store a head."""
     lanes, owner = _reduce_across(builder, vectors)
-    if scale is not None:
-        lanes = builder.fmul(lanes, _splat(builder, scale, 16))
+    lanes = builder.fmul(lanes, _splat(builder, scale, 16))
     for i in range(num_heads):
         address = builder.add(s_addr, builder.mul(s_step, intp(i)))
         if num_rows == 1:
@@ -433,16 +432,16 @@ def _multiply_add(builder):
 
 
 def _word_scores_tile(num_heads, num_rows):
-    """An intrinsic tile(q, q_row, k, k_row, scores, score_row, dim), on addresses and row strides in bytes
-    (ints): scores[i, j] = q[i] . k[j] for i < num_heads, j < num_rows, where k holds bfloat16 patterns in rows of
-    `dim` (a multiple of WORD_VALUES) and q float32 queries, scaled, in even/odd order (_split_pairs).
+    """An intrinsic tile(q, q_row, k, k_row, scores, score_row, dim, scale), on addresses and row strides in bytes
+    (ints): scores[i, j] = scale * q[i] . k[j] for i < num_heads, j < num_rows, where k holds bfloat16 patterns in
+    rows of `dim` (a multiple of WORD_VALUES) and q float32 queries in even/odd order (_split_pairs).
 
     Tiles of fewer than eight (head, row) pairs keep even and odd sums apart, so that at least eight chains of
     multiply-adds are in flight."""
     apart = num_heads * num_rows < 8
 
     @intrinsic
-    def tile(typingctx, q, q_row, k, k_row, scores, score_row, dim):
+    def tile(typingctx, q, q_row, k, k_row, scores, score_row, dim, scale):
         def codegen(context, builder, signature, args):
             intp, (q_addr, q_step, k_addr, k_step, s_addr, s_step, length) = _tile_addresses(
                 context, builder, signature, args)
@@ -469,13 +468,13 @@ def _word_scores_tile(num_heads, num_rows):
                 for j in range(num_rows):
                     total = builder.load(sums[i][j][0])
                     vectors.append(builder.fadd(total, builder.load(sums[i][j][1])) if apart else total)
-            _store_sums(builder, intp, vectors, num_heads, num_rows, s_addr, s_step, None)
+            _store_sums(builder, intp, vectors, num_heads, num_rows, s_addr, s_step, args[7])
             return context.get_dummy_value()
 
         integers = (q, q_row, k, k_row, scores, score_row, dim)
-        if not all(isinstance(a, types.Integer) for a in integers):
+        if not (all(isinstance(a, types.Integer) for a in integers) and scale == types.float32):
             return None
-        return types.void(*integers), codegen
+        return types.void(*integers, scale), codegen
 
     return tile
 
@@ -751,66 +750,81 @@ def _bf16_dot_applies_impl(q, dim):
     return lambda q, dim: False
 
 
-@njit(nogil=True, fastmath=FASTMATH)
-def _block_scores_bf16(q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale):
-    """_block_scores for bfloat16 patterns, unscaled queries q [Hq, D] and D a multiple of BF16_LANES: the
-    same passes (four rows by a quad, a pair or a single head of the group), each a vdpbf16ps tile."""
-    dim = kb.shape[1]
-    step = CACHE_LINE_BYTES // kb.itemsize
-    quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
-    q_step, k_step, s_step = q.strides[0], kb.strides[0], scores.strides[0]
-    heads, rows, out = q.ctypes.data + h0 * q_step, kb.ctypes.data, scores.ctypes.data
-    for t in range(0, n4, 4):
-        for r in range(4):
-            _prefetch_row(k_cache, next_block + (t + r) * dim, step)
-        k = rows + t * k_step
-        for g in range(0, quads, 4):
-            _tile_4x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
-        for g in range(quads, pairs, 2):
-            _tile_2x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
-        for g in range(pairs, group):
-            _tile_1x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
-    for t in range(n4, n):
-        _prefetch_row(k_cache, next_block + t * dim, step)
+def _tiled_block_scores(tile_4x4, tile_2x4, tile_1x4, tile_1x1):
+    """_block_scores on tiles (the vdpbf16ps or the word tiles' scores): scores[g, t] = scale * q[h0 + g] . k[t]
+    for the n valid rows of one K block, the same passes (four rows by a quad, a pair or a single head of the
+    group, then the tail rows one by one), then each head's max. q holds the queries each tile kind reads."""
+
+    @njit(nogil=True)
+    def block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale):
+        dim = kb.shape[1]
+        step = CACHE_LINE_BYTES // kb.itemsize
+        quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
+        q_step, k_step, s_step = q.strides[0], kb.strides[0], scores.strides[0]
+        heads, rows, out = q.ctypes.data + h0 * q_step, kb.ctypes.data, scores.ctypes.data
+        for t in range(0, n4, 4):
+            for r in range(4):
+                _prefetch_row(k_cache, next_block + (t + r) * dim, step)
+            k = rows + t * k_step
+            for g in range(0, quads, 4):
+                tile_4x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
+            for g in range(quads, pairs, 2):
+                tile_2x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
+            for g in range(pairs, group):
+                tile_1x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim, scale)
+        for t in range(n4, n):
+            _prefetch_row(k_cache, next_block + t * dim, step)
+            for g in range(group):
+                tile_1x1(heads + g * q_step, q_step, rows + t * k_step, k_step, out + g * s_step + 4 * t, s_step, dim,
+                         scale)
         for g in range(group):
-            _tile_1x1(heads + g * q_step, q_step, rows + t * k_step, k_step, out + g * s_step + 4 * t, s_step, dim,
-                      scale)
-    for g in range(group):
-        top = np.float32(-np.inf)
-        for t in range(n):
-            top = max(top, scores[g, t])
-        block_max[g] = top
+            block_max[g] = _max_of(out + g * s_step, n)
+
+    return block_scores
 
 
-@njit(nogil=True)
-def _block_values_bf16(vb, n, scores, acc, v_cache, next_block):
-    """_block_values for bfloat16 patterns and D a multiple of BF16_LANES, eight rows a pass, the group's heads
-    in quads, then a pair, then a single head, each pass a vdpbf16ps tile. The last n % 8 rows (a partial last
-    block only, at the host tier's block sizes) go one at a time, each paired with zeros."""
-    group, dim = acc.shape
-    step = CACHE_LINE_BYTES // vb.itemsize
-    quads, pairs, n8 = group - group % 4, group - group % 2, n - n % 8
-    v_step, p_step, a_step = vb.strides[0], scores.strides[0], acc.strides[0]
-    rows, weights, sums = vb.ctypes.data, scores.ctypes.data, acc.ctypes.data
-    for t in range(0, n8, 8):
-        for r in range(8):
-            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
-        v = rows + t * v_step
-        for g in range(0, quads, 4):
-            _vtile_4x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        for g in range(quads, pairs, 2):
-            _vtile_2x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        for g in range(pairs, group):
-            _vtile_1x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-    for t in range(n8, n):
-        _prefetch_row(v_cache, next_block + t * dim, step)
-        v = rows + t * v_step
-        for g in range(0, quads, 4):
-            _vtile_4x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        for g in range(quads, pairs, 2):
-            _vtile_2x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        for g in range(pairs, group):
-            _vtile_1x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+def _tiled_block_values(tile_4x8, tile_2x8, tile_1x8, tile_4x1, tile_2x1, tile_1x1):
+    """_block_values on tiles (the vdpbf16ps or the word tiles' P x V): acc[g] += sum_t p[g, t] * v[t], eight rows
+    a pass, the group's heads in quads, then a pair, then a single head; the last n % 8 rows (a partial last block
+    only, at the host tier's block sizes) one at a time. acc is in the order its tile kind keeps."""
+
+    @njit(nogil=True)
+    def block_values(vb, n, scores, acc, v_cache, next_block):
+        group, dim = acc.shape
+        step = CACHE_LINE_BYTES // vb.itemsize
+        quads, pairs, n8 = group - group % 4, group - group % 2, n - n % 8
+        v_step, p_step, a_step = vb.strides[0], scores.strides[0], acc.strides[0]
+        rows, weights, sums = vb.ctypes.data, scores.ctypes.data, acc.ctypes.data
+        for t in range(0, n8, 8):
+            for r in range(8):
+                _prefetch_row(v_cache, next_block + (t + r) * dim, step)
+            v = rows + t * v_step
+            for g in range(0, quads, 4):
+                tile_4x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+            for g in range(quads, pairs, 2):
+                tile_2x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+            for g in range(pairs, group):
+                tile_1x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+        for t in range(n8, n):
+            _prefetch_row(v_cache, next_block + t * dim, step)
+            v = rows + t * v_step
+            for g in range(0, quads, 4):
+                tile_4x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+            for g in range(quads, pairs, 2):
+                tile_2x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+            for g in range(pairs, group):
+                tile_1x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
+
+    return block_values
+
+
+# vdpbf16ps: unscaled bfloat16 queries as stored, P rounded to bfloat16 in pairs of V rows (_bf16_values_tile).
+_block_scores_bf16 = _tiled_block_scores(_tile_4x4, _tile_2x4, _tile_1x4, _tile_1x1)
+_block_values_bf16 = _tiled_block_values(_vtile_4x8, _vtile_2x8, _vtile_1x8, _vtile_4x1, _vtile_2x1, _vtile_1x1)
+# Word tiles: unscaled float32 queries and the accumulators in even/odd order (_split_pairs, _join_pairs).
+_block_scores_words = _tiled_block_scores(_wtile_4x4, _wtile_2x4, _wtile_1x4, _wtile_1x1)
+_block_values_words = _tiled_block_values(_wvtile_4x8, _wvtile_2x8, _wvtile_1x8, _wvtile_4x1, _wvtile_2x1,
+                                          _wvtile_1x1)
 
 
 def _values_bf16(vb, n, scores, acc, v_cache, next_block):
@@ -850,64 +864,6 @@ def _word_tiles_apply_impl(q, dim):
     if WORD_TILES and not BF16_DOT and isinstance(q, types.Array) and q.dtype == types.uint16:
         return lambda q, dim: dim % WORD_VALUES == 0
     return lambda q, dim: False
-
-
-@njit(nogil=True)
-def _block_scores_words(wide_q, h0, group, kb, n, scores, block_max, k_cache, next_block):
-    """_block_scores on word tiles, for a bfloat16 K block, D a multiple of WORD_VALUES and wide_q in even/odd
-    order: the same passes (four rows by a quad, a pair or a single head of the group), then each head's max."""
-    dim = kb.shape[1]
-    step = CACHE_LINE_BYTES // kb.itemsize
-    quads, pairs, n4 = group - group % 4, group - group % 2, n - n % 4
-    q_step, k_step, s_step = wide_q.strides[0], kb.strides[0], scores.strides[0]
-    heads, rows, out = wide_q.ctypes.data + h0 * q_step, kb.ctypes.data, scores.ctypes.data
-    for t in range(0, n4, 4):
-        for r in range(4):
-            _prefetch_row(k_cache, next_block + (t + r) * dim, step)
-        k = rows + t * k_step
-        for g in range(0, quads, 4):
-            _wtile_4x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim)
-        for g in range(quads, pairs, 2):
-            _wtile_2x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim)
-        for g in range(pairs, group):
-            _wtile_1x4(heads + g * q_step, q_step, k, k_step, out + g * s_step + 4 * t, s_step, dim)
-    for t in range(n4, n):
-        _prefetch_row(k_cache, next_block + t * dim, step)
-        for g in range(group):
-            _wtile_1x1(heads + g * q_step, q_step, rows + t * k_step, k_step, out + g * s_step + 4 * t, s_step, dim)
-    for g in range(group):
-        block_max[g] = _max_of(out + g * s_step, n)
-
-
-@njit(nogil=True)
-def _block_values_words(vb, n, scores, acc, v_cache, next_block):
-    """_block_values on word tiles, for a bfloat16 V block, D a multiple of WORD_VALUES and acc in even/odd order:
-    eight rows a pass, the group's heads in quads, then a pair, then a single head; the last n % 8 rows (a partial
-    last block only) one at a time."""
-    group, dim = acc.shape
-    step = CACHE_LINE_BYTES // vb.itemsize
-    quads, pairs, n8 = group - group % 4, group - group % 2, n - n % 8
-    v_step, p_step, a_step = vb.strides[0], scores.strides[0], acc.strides[0]
-    rows, weights, sums = vb.ctypes.data, scores.ctypes.data, acc.ctypes.data
-    for t in range(0, n8, 8):
-        for r in range(8):
-            _prefetch_row(v_cache, next_block + (t + r) * dim, step)
-        v = rows + t * v_step
-        for g in range(0, quads, 4):
-            _wvtile_4x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        for g in range(quads, pairs, 2):
-            _wvtile_2x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        for g in range(pairs, group):
-            _wvtile_1x8(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-    for t in range(n8, n):
-        _prefetch_row(v_cache, next_block + t * dim, step)
-        v = rows + t * v_step
-        for g in range(0, quads, 4):
-            _wvtile_4x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        for g in range(quads, pairs, 2):
-            _wvtile_2x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
-        for g in range(pairs, group):
-            _wvtile_1x1(v, v_step, weights + g * p_step + 4 * t, p_step, sums + g * a_step, a_step, dim)
 
 
 @njit(nogil=True, fastmath=FASTMATH)
@@ -982,7 +938,8 @@ def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h0
     """Online softmax of one sequence's kv heads h0..h0+heads-1 over blocks first..last-1 of its table row, in
     the cache's order: block by block, and within a block head by head. q [Hq, D] is the sequence's query as
     given; wide_q [Hq, D] is the worker's scratch for the heads' queries widened and scaled, where the scores do
-    not come from bfloat16 dot products (in even/odd order where the word tiles apply). accs[i] [group, D]
+    not come from bfloat16 dot products (in even/odd order and unscaled where the word tiles apply: they scale
+    their sums). accs[i] [group, D]
     accumulates head h0 + i (in even/odd order on the word tiles until the end); stats is the worker's scratch:
     row 0 the block max, rows 1 + 2i and 2 + 2i head h0 + i's running max and sum."""
     _prefer_wide_vectors()
@@ -990,9 +947,10 @@ def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h0
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
     bf16, words = _bf16_dot_applies(q, dim), _word_tiles_apply(q, dim)
     if not bf16:
+        factor = np.float32(1.0) if words else scale  # the word tiles scale their sums, as the vdpbf16ps tiles do
         for g in range(h0 * group, (h0 + heads) * group):
             for d in range(dim):
-                wide_q[g, d] = widen(q[g, d]) * scale
+                wide_q[g, d] = widen(q[g, d]) * factor
             if words:
                 _split_pairs(wide_q.ctypes.data + g * wide_q.strides[0], dim)
     for i in range(heads):
@@ -1022,7 +980,8 @@ def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h0
         if bf16:
             _scores_bf16(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run, scale)
         elif words:
-            _block_scores_words(wide_q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run)
+            _block_scores_words(wide_q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run,
+                                scale)
         else:
             _block_scores(wide_q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, next_run)
         _softmax_update(scores, n, block_max, running_max, running_sum, accs[i])

@@ -73,11 +73,12 @@ def test_block_scores_match_float64(group, n, dim):
     block_size, num_kv_heads, h = 64, 2, 1
     k_cache, k_values = _bf16((3, num_kv_heads, block_size, dim), rng)
     queries = rng.standard_normal((num_kv_heads * group, dim)).astype(np.float32)
-    wide_q = _even_odd(queries).copy()  # as _attend_split leaves it: widened, scaled, even/odd
+    wide_q = _even_odd(queries).copy()  # as _attend_split leaves it: widened, even/odd
     scores = np.full((group, block_size), np.nan, np.float32)
     block_max = np.full(group, np.nan, np.float32)
-    _block_scores_words(wide_q, h * group, group, k_cache[2, h], n, scores, block_max, k_cache, 0)
-    expected = queries[h * group:(h + 1) * group].astype(np.float64) @ k_values[2, h, :n].T
+    scale = np.float32(0.0884)  # about 1 / sqrt(128)
+    _block_scores_words(wide_q, h * group, group, k_cache[2, h], n, scores, block_max, k_cache, 0, scale)
+    expected = float(scale) * (queries[h * group:(h + 1) * group].astype(np.float64) @ k_values[2, h, :n].T)
     np.testing.assert_allclose(scores[:, :n], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     np.testing.assert_array_equal(block_max, scores[:, :n].max(axis=1))
     assert np.isnan(scores[:, n:]).all()  # nothing written past the block's rows
