@@ -38,8 +38,9 @@ from numba.extending import intrinsic
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_cpu_attention import read_ceiling_gbps  # noqa: E402
 from benchmarks.profile_host_kernel_rate import paged_inputs, time_kernel, write_result  # noqa: E402
-from cpu_attention.decode_kernel import (_count, _exp_nonpositive, _merge_splits,  # noqa: E402
-                                        _prefer_wide_vectors, _prefetch, decode_kernel, plan_work)
+from cpu_attention.decode_kernel import decode_kernel, merge_splits, plan_work  # noqa: E402
+from cpu_attention.llvm_ops import atomic_increment, prefer_wide_vectors, prefetch  # noqa: E402
+from cpu_attention.numerics import exp_nonpositive  # noqa: E402
 from tests.reference import attention_reference  # noqa: E402
 
 EMULATE = os.environ.get("AMX_PROBE_EMULATE") == "1"
@@ -161,7 +162,7 @@ def _stage_values(vb, v_pairs32):
 
     Whole rows, one pair at a time: LLVM vectorizes this at ~0.3 us a block-head on a Zen 3. The tile-ordered
     layout ([2, 8, 16, 16], one tile's window contiguous) took ~1.9 us, more than both products together."""
-    _prefer_wide_vectors()
+    prefer_wide_vectors()
     for i in range(BLOCK // 2):
         low, high, pairs = vb[2 * i], vb[2 * i + 1], v_pairs32[i]
         for d in range(DIM):
@@ -213,7 +214,7 @@ def _build(group, chains, leave_out=()):
         """One block-head's online-softmax step. The tile's scores [key, query] are turned to [query, key] (st)
         first, so every loop below runs along keys at full vector width; strided along s they were scalar,
         ~1.2 us a block-head at group 4 on a Zen 3 against ~0.4 us this way."""
-        _prefer_wide_vectors()
+        prefer_wide_vectors()
         for t in range(BLOCK):
             for g in range(group):
                 st[g, t] = s[t, g] * scale
@@ -222,10 +223,10 @@ def _build(group, chains, leave_out=()):
             top = run_max[g]
             for t in range(BLOCK):
                 top = max(top, scores[t])
-            alpha = _exp_nonpositive(run_max[g] - top)  # no libm call: a call makes LLVM reload the tile config
+            alpha = exp_nonpositive(run_max[g] - top)  # no libm call: a call makes LLVM reload the tile config
             total = np.float32(0.0)
             for t in range(BLOCK):
-                x = _exp_nonpositive(scores[t] - top)
+                x = exp_nonpositive(scores[t] - top)
                 total += x
                 probs[t] = _round_bf16(x)
             if alpha != 1.0:
@@ -252,8 +253,8 @@ def _build(group, chains, leave_out=()):
                     + (h + 1) % num_kv_heads
                 if do_prefetch:
                     for c in range(0, BLOCK * DIM, line):
-                        _prefetch(k_cache, ahead * BLOCK * DIM + c)
-                        _prefetch(v_cache, ahead * BLOCK * DIM + c)
+                        prefetch(k_cache, ahead * BLOCK * DIM + c)
+                        prefetch(v_cache, ahead * BLOCK * DIM + c)
                 if do_scores:
                     block_scores(k_cache[block, h], q_pairs[h], s)
                 if do_softmax:
@@ -286,7 +287,7 @@ def _build(group, chains, leave_out=()):
         v_pairs32 = np.empty((num_threads, BLOCK // 2, DIM), np.uint32)
         tickets = np.zeros(1, np.int64)
         for w in prange(num_threads):
-            item = _count(tickets, 0)
+            item = atomic_increment(tickets, 0)
             while item < num_items:
                 b = 0
                 while splits[b + 1] <= item:
@@ -301,7 +302,7 @@ def _build(group, chains, leave_out=()):
                 last = min(first + chunk_blocks, context_lens[b] // BLOCK)
                 attend(q_pairs[w], np.float32(scale), k_cache, v_cache, block_tables[b], first, last,
                        part_acc[item], part_max[item], part_sum[item], s[w], st[w], p[w], v_pairs32[w])
-                item = _count(tickets, 0)
+                item = atomic_increment(tickets, 0)
         # Partial item * Hkv + h, as decode_kernel lays its partials out: its own merge serves.
         parts = num_items * num_kv_heads
         flat_acc = part_acc.reshape((parts, group, DIM))
@@ -309,8 +310,8 @@ def _build(group, chains, leave_out=()):
         for row in prange(batch * num_q_heads):
             b, hq = row // num_q_heads, row % num_q_heads
             h, g = hq // group, hq % group
-            lse[b, hq] = _merge_splits(flat_acc, flat_max, flat_sum, splits[b] * num_kv_heads + h,
-                                       splits[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
+            lse[b, hq] = merge_splits(flat_acc, flat_max, flat_sum, splits[b] * num_kv_heads + h,
+                                      splits[b + 1] * num_kv_heads, num_kv_heads, g, out[b, hq])
         return 0
 
     return amx_decode

@@ -1,9 +1,10 @@
 """Where the host decode kernel's time goes over few, long sequences: memory or arithmetic, and which phase.
 
-Each variant is cpu_attention/decode_kernel.py's own source with one textual change (a constant, a phase left
-out, a shuffle left out), written to a scratch directory and compiled there, so the variants are timed side by
-side in one run on one machine. Variants that leave work out compute wrong results on purpose: they are
-timings, never outputs. Every variant is timed in its own subprocess (numba freezes a module's constants at
+Each variant is a copy of the cpu_attention package with one textual change to its kernel sources (a constant,
+a phase left out, a shuffle left out), renamed kernel_<variant> and compiled in a scratch directory, so the
+variants are timed side by side in one run on one machine; --baseline adds the package as git has it at a
+revision, or a copy of it (the device machines have no git history). Variants that leave work out compute wrong
+results on purpose: they are timings, never outputs. Every variant is timed in its own subprocess (numba freezes a module's constants at
 compile time), after all of them were compiled in parallel into one numba cache.
 
 Per variant and query-head count (8 KV heads x D 128, bfloat16, block size 64):
@@ -17,8 +18,10 @@ The plain parallel sum (the host read ceiling, all threads and one) is measured 
     python3 benchmarks/profile_host_kernel_rate.py [--variants base,pf256] [--lane 36x32x2048] [--out FILE]
 """
 import argparse
+import importlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -31,15 +34,16 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.bench_cpu_attention import median_seconds, read_ceiling_gbps  # noqa: E402
 
-KERNEL_SOURCE = Path(__file__).resolve().parents[1] / "cpu_attention" / "decode_kernel.py"
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = "cpu_attention"
 GB = 1e9
 KV_HEADS, HEAD_DIM, BLOCK_SIZE = 8, 128, 64
 CACHED_BLOCKS = 16  # cache1's K and V: 512 KiB, well inside one core's L2
 
-_VALUES_CALL = "            _values_bf16(v_cache[block, h], n, scores, accs[i], v_cache, next_run)\n"
-_SCORES_CALL = ("            _scores_bf16(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, "
+_VALUES_CALL = "            values_bf16(v_cache[block, h], n, scores, accs[i], v_cache, next_run)\n"
+_SCORES_CALL = ("            scores_bf16(q, h * group, group, k_cache[block, h], n, scores, block_max, k_cache, "
                 "next_run, scale)\n")
-_SOFTMAX_CALL = "        _softmax_update(scores, n, block_max, running_max, running_sum, accs[i])\n"
+_SOFTMAX_CALL = "        softmax_update(scores, n, block_max, running_max, running_sum, accs[i])\n"
 _INTERLEAVE = ("                    mixed.append((builder.bitcast(builder.shuffle_vector(first, second, low), "
                "_BFLOATS),\n"
                "                                  builder.bitcast(builder.shuffle_vector(first, second, high), "
@@ -48,17 +52,17 @@ _BLOCK_MAX = ("    for g in range(group):\n        top = np.float32(-np.inf)\n  
               "            top = max(top, scores[g, t])\n        block_max[g] = top\n")
 _PREFETCH_CALL = ("        builder.call(fn, [pointer, i32(0), i32(2), i32(1)])  # locality 2: into L2, L1 stays for "
                   "the block\n")
-_PREFETCH_ROW = ("def _prefetch_row(cache, row_start, step):\n    for c in range(0, cache.shape[3], step):\n"
-                 "        _prefetch(cache, row_start + c)\n")
+_PREFETCH_ROW = ("def prefetch_row(cache, row_start, step):\n    for c in range(0, cache.shape[3], step):\n"
+                 "        prefetch(cache, row_start + c)\n")
 
 
 def _sparse_prefetch_row(every: int) -> str:
-    """_prefetch_row touching one cache line per `every` rows (the hardware streamer fetches the rest)."""
-    return (f"def _prefetch_row(cache, row_start, step):\n    if (row_start // cache.shape[3]) % {every} == 0:\n"
-            "        _prefetch(cache, row_start)\n")
+    """prefetch_row touching one cache line per `every` rows (the hardware streamer fetches the rest)."""
+    return (f"def prefetch_row(cache, row_start, step):\n    if (row_start // cache.shape[3]) % {every} == 0:\n"
+            "        prefetch(cache, row_start)\n")
 
 
-# name -> [(old, new)]: each old text must occur in the kernel's source exactly once.
+# name -> [(old, new)]: each old text must occur exactly once in the package's sources, in one file.
 VARIANTS = {
     "base": [],
     "pf0": [("PREFETCH_ROWS = 64 ", "PREFETCH_ROWS = 0 ")],
@@ -77,22 +81,44 @@ VARIANTS = {
     "pf_page_far": [(_PREFETCH_ROW, _sparse_prefetch_row(16)), ("PREFETCH_ROWS = 64 ", "PREFETCH_ROWS = 256 ")],
     "widen": [("BF16_DOT = _use_bf16_dot()", "BF16_DOT = False")],
     "no_words": [('WORD_TILES = sys.byteorder == "little" and', "WORD_TILES = False and")],  # value by value
-    "bf16_dot": [("BF16_DOT = _use_bf16_dot()", "BF16_DOT = _host_has_bf16_dot()")],  # the vdpbf16ps path
+    "bf16_dot": [("BF16_DOT = _use_bf16_dot()", "BF16_DOT = host_has_bf16_dot()")],  # the vdpbf16ps path
     "base_again": [],  # the same code timed twice in one run: the run's own noise
     "v_interleaved": [(_INTERLEAVE, "                    mixed.append((builder.bitcast(first, _BFLOATS), "
                                     "builder.bitcast(second, _BFLOATS)))\n")],
 }
 
 
-def variant_source(name: str, baseline: str | None = None) -> str:
-    if name == "baseline":  # another version of the kernel, as it is
-        return Path(baseline).read_text()
-    source = KERNEL_SOURCE.read_text()
-    for old, new in VARIANTS[name]:
-        if source.count(old) != 1:
-            raise SystemExit(f"variant {name}: the kernel's source no longer has this text exactly once:\n{old}")
-        source = source.replace(old, new)
-    return source
+def write_variant(name: str, directory: str, baseline: str | None = None) -> None:
+    """directory/kernel_<name>/: the package (for the variant "baseline", `baseline`: a package directory or a git
+    revision) with the variant's changes and its imports of itself renamed, so that variants import side by side."""
+    target = Path(directory, f"kernel_{name}")
+    if name == "baseline" and Path(baseline).is_dir():
+        shutil.copytree(baseline, target, ignore=shutil.ignore_patterns("__pycache__"))
+    elif name == "baseline":
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", baseline, PACKAGE], check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", directory], input=archive, check=True)
+        Path(directory, PACKAGE).rename(target)
+    else:
+        shutil.copytree(ROOT / PACKAGE, target, ignore=shutil.ignore_patterns("__pycache__"))
+    sources = {path: path.read_text() for path in target.glob("*.py")}
+    for old, new in VARIANTS.get(name, []):
+        holders = [path for path, text in sources.items() if old in text]
+        if len(holders) != 1 or sources[holders[0]].count(old) != 1:
+            raise SystemExit(f"variant {name}: the package's sources no longer have this text exactly once:\n{old}")
+        sources[holders[0]] = sources[holders[0]].replace(old, new)
+    for path, text in sources.items():
+        path.write_text(text.replace(f"from {PACKAGE}.", f"from kernel_{name}.")
+                        .replace(f"from {PACKAGE} import", f"from kernel_{name} import"))
+
+
+def import_variant(directory: str, name: str):
+    """(decode_kernel, decode_layers) of variant `name` (an older package may define both in decode_kernel)."""
+    sys.path.insert(0, directory)
+    module = importlib.import_module(f"kernel_{name}.decode_kernel")
+    if hasattr(module, "decode_layers"):
+        return module.decode_kernel, module.decode_layers
+    return module.decode_kernel, importlib.import_module(f"kernel_{name}.decode_layers").decode_layers
 
 
 def random_bf16(count: int, rng) -> np.ndarray:
@@ -125,7 +151,7 @@ def time_kernel(kernel, q, k_cache, v_cache, tables, lens, threads, repeats):
     return median_seconds(calls, repeats)
 
 
-def time_lane(module, layers, batch, context, threads, rng) -> dict:
+def time_lane(decode_layers, layers, batch, context, threads, rng) -> dict:
     """A whole host-lane step as the engine runs it: decode_layers over every layer, gates open, at Hq 16 and 32
     (GB/s of KV read, median of 3)."""
     blocks = -(-context // BLOCK_SIZE)
@@ -144,22 +170,20 @@ def time_lane(module, layers, batch, context, threads, rng) -> dict:
         def step():
             gates = np.zeros((2, layers), np.int32)
             gates[0] = 1  # every layer handed over: the step runs without a device
-            error = module.decode_layers(gates, np.zeros(2, np.int64), q, new, new, pools, slots, tables, lens,
-                                         batch, 0.088, threads, out, lse, np.zeros((layers + 1, 2), np.int64))
+            error = decode_layers(gates, np.zeros(2, np.int64), q, new, new, pools, slots, tables, lens, batch, 0.088,
+                                  threads, out, lse, np.zeros((layers + 1, 2), np.int64))
             assert error == 0, error
 
         result[f"lane_hq{q_heads}_gbps"] = pools.nbytes / median_seconds([step], 3, warmup=1) / GB
     return result
 
 
-def run_variant(module_dir: str, name: str, threads: int, length: int, rotate_gb: float, batches, lane) -> dict:
+def run_variant(directory: str, name: str, threads: int, length: int, rotate_gb: float, batches, lane) -> dict:
     """In a subprocess: the variant's rates at Hq 16 and 32 (batches: more B x L cases, on all threads only;
     lane: (layers, batch, context) of a decode_layers step, or None)."""
     import numba
 
-    sys.path.insert(0, module_dir)
-    module = __import__(f"kernel_{name}")
-    kernel = module.decode_kernel
+    kernel, decode_layers = import_variant(directory, name)
     rng = np.random.default_rng(0)
     rows = {}
     for q_heads in (16, 32):
@@ -187,7 +211,7 @@ def run_variant(module_dir: str, name: str, threads: int, length: int, rotate_gb
         rows[f"hq{q_heads}"] = row
     if lane:
         numba.set_num_threads(threads)
-        rows["lane"] = time_lane(module, *lane, threads, rng)
+        rows["lane"] = time_lane(decode_layers, *lane, threads, rng)
     return rows
 
 
@@ -198,7 +222,7 @@ def paged_read(threads: int, length: int, rotate_gb: float) -> dict:
     import numba
     from numba import njit, prange
 
-    from cpu_attention.decode_kernel import _prefetch
+    from cpu_attention.llvm_ops import prefetch as prefetch_line
 
     @njit(parallel=True, nogil=True)
     def sum_blocks(k_cache, v_cache, table, chunk, item_heads, workers, prefetch):
@@ -220,8 +244,8 @@ def paged_read(threads: int, length: int, rotate_gb: float) -> dict:
                         if prefetch and j + 1 < last:
                             ahead = (table[j + 1] * kv_heads + h) * words
                             for c in range(0, words, 32):
-                                _prefetch(k_cache, ahead + c)
-                                _prefetch(v_cache, ahead + c)
+                                prefetch_line(k_cache, ahead + c)
+                                prefetch_line(v_cache, ahead + c)
                         for x in range(words):
                             total += k_flat[run, x]
                         for x in range(words):
@@ -274,7 +298,8 @@ def main() -> None:
     parser.add_argument("--out", default=None)
     parser.add_argument("--lane", default="", help="LxBxC: also time decode_layers, L layers of B x C (36x32x2048)")
     parser.add_argument("--batches", default="", help="more BxL cases timed on all threads, e.g. 32x2048")
-    parser.add_argument("--baseline", default=None, help="another decode_kernel.py, timed as variant 'baseline'")
+    parser.add_argument("--baseline", default=None,
+                        help="a git revision, or a copy of the cpu_attention directory, timed as 'baseline'")
     parser.add_argument("--child", nargs=2, metavar=("DIR", "NAME"), help=argparse.SUPPRESS)
     parser.add_argument("--compile-only", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--paged-read", action="store_true", help=argparse.SUPPRESS)
@@ -285,8 +310,7 @@ def main() -> None:
     if args.child:
         directory, name = args.child
         if args.compile_only:
-            sys.path.insert(0, directory)
-            kernel = __import__(f"kernel_{name}").decode_kernel
+            kernel, _ = import_variant(directory, name)
             case = paged_inputs(256, 1, 4, 0, np.random.default_rng(0))
             time_kernel(kernel, *case, 1, 1)
             return
@@ -298,7 +322,7 @@ def main() -> None:
     names = (["baseline"] if args.baseline else []) + args.variants.split(",")
     directory = tempfile.mkdtemp(prefix="host_kernel_variants_")
     for name in names:
-        Path(directory, f"kernel_{name}.py").write_text(variant_source(name, args.baseline))
+        write_variant(name, directory, args.baseline)
     env = dict(os.environ, NUMBA_CACHE_DIR=os.path.join(directory, "cache"))
     command = [sys.executable, __file__, "--threads", str(args.threads), "--length", str(args.length),
                "--rotate-gb", str(args.rotate_gb), "--batches", args.batches, "--lane", args.lane]

@@ -18,7 +18,8 @@ from concurrent.futures import Future
 import numpy as np
 
 from cpu_attention.decode import kernel_view
-from cpu_attention.decode_kernel import ABANDONED, ERRORS, _check_tables, cycles, decode_layers
+from cpu_attention.decode_kernel import ABANDONED, ERRORS, check_tables
+from cpu_attention.decode_layers import cycles, decode_layers
 
 _cycle_hz: list[float] = []  # the cycle counter's rate, measured once per process
 
@@ -36,7 +37,7 @@ def cycle_hz() -> float:
 def check_step(pools, slots: np.ndarray, block_tables: np.ndarray, context_lens: np.ndarray) -> None:
     """ValueError before any work if the step's maps do not fit the host pool (pools [L, 2, blocks, Hkv, bs, D])."""
     num_blocks, block_size = pools.shape[2], pools.shape[4]
-    error = _check_tables(block_tables, context_lens, num_blocks, block_size)
+    error = check_tables(block_tables, context_lens, num_blocks, block_size)
     if error:
         raise ValueError(f"host decode step: {ERRORS[error]}")
     if slots.size and (slots.min() < -1 or slots.max() >= num_blocks * block_size):

@@ -16,7 +16,8 @@ import torch
 from numba import njit
 
 from cpu_attention import CpuAttentionExecutor, paged_decode_attention, split_plan
-from cpu_attention.decode_kernel import ITEMS_PER_THREAD, _exp_nonpositive, plan_work, widen
+from cpu_attention.decode_kernel import ITEMS_PER_THREAD, plan_work
+from cpu_attention.numerics import exp_nonpositive, widen
 from tests.reference import paged_decode_reference, random_paged_kv, relative_error
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -149,7 +150,7 @@ def test_widening_is_exact_for_every_16_bit_pattern(dtype):
 def _exp_all(x):
     out = np.empty_like(x)
     for i in range(x.shape[0]):
-        out[i] = _exp_nonpositive(x[i])
+        out[i] = exp_nonpositive(x[i])
     return out
 
 
@@ -238,9 +239,9 @@ def test_one_worker_keeps_the_unsafe_workqueue_layer_alive():
 
 _PATH_CHECK = """
 import math, sys, numba, torch
-from cpu_attention import decode_kernel, paged_decode_attention
+from cpu_attention import kernel_switches, paged_decode_attention
 from tests.reference import paged_decode_reference, random_paged_kv, relative_error
-assert decode_kernel.BF16_DOT == (sys.argv[1] == "1") and decode_kernel.WORD_TILES == (sys.argv[2] == "1")
+assert kernel_switches.BF16_DOT == (sys.argv[1] == "1") and kernel_switches.WORD_TILES == (sys.argv[2] == "1")
 numba.set_num_threads(1)  # one thread: the long row's items take runs of kv heads (plan_work)
 for group, head_dim, block_size, lens in ((4, 128, 64, [200, 64, 1, 0]), (2, 64, 16, [33, 16, 5]),
                                           (4, 128, 16, [300 * 16 + 3, 40, 0])):
@@ -254,15 +255,16 @@ for group, head_dim, block_size, lens in ((4, 128, 64, [200, 64, 1, 0]), (2, 64,
 
 
 @pytest.mark.parametrize("dot,words", [("0", "1"), ("0", "0"), ("1", "1")], ids=["words", "widening", "bf16_dot"])
-def test_bfloat16_paths_match(dot, words, tmp_path):
+def test_bfloat16_paths_match(dot, words, shared_numba_cache):
     """Every path for bfloat16 caches on any CPU that can run it: word tiles (the default), value-by-value widening
     (OFFLOAD_ENGINE_WORD_TILES=0) and vdpbf16ps (OFFLOAD_ENGINE_BF16_DOT=1, AVX-512 BF16 only). Each in a process of
-    its own with a numba cache of its own (the switches are not part of numba's cache key)."""
-    from cpu_attention.decode_kernel import _host_has_bf16_dot
+    its own, all three on one numba cache: each must compile and keep its kernels under its own switches' tag."""
+    from cpu_attention.kernel_switches import host_has_bf16_dot
 
-    if dot == "1" and not _host_has_bf16_dot():
+    if dot == "1" and not host_has_bf16_dot():
         pytest.skip("this CPU has no AVX-512 BF16")
-    env = dict(os.environ, OFFLOAD_ENGINE_BF16_DOT=dot, OFFLOAD_ENGINE_WORD_TILES=words, NUMBA_CACHE_DIR=str(tmp_path))
+    env = dict(os.environ, OFFLOAD_ENGINE_BF16_DOT=dot, OFFLOAD_ENGINE_WORD_TILES=words,
+               NUMBA_CACHE_DIR=str(shared_numba_cache))
     done = subprocess.run([sys.executable, "-c", _PATH_CHECK, dot, words], env=env, capture_output=True, text=True,
                           cwd=Path(__file__).resolve().parents[2], timeout=600)
     assert done.returncode == 0, done.stderr
@@ -271,3 +273,10 @@ def test_bfloat16_paths_match(dot, words, tmp_path):
     for line in lines:
         error, lse_error = map(float, line.split())
         assert error < TOLERANCE[torch.bfloat16] and lse_error < LSE_ATOL[torch.bfloat16]
+    tag = f"words{words}-bf16dot{dot}"
+    assert list(shared_numba_cache.rglob(f"{tag}/decode_kernel.decode_kernel-*.nbi")), "compiled under its tag"
+
+
+@pytest.fixture(scope="module")
+def shared_numba_cache(tmp_path_factory):
+    return tmp_path_factory.mktemp("numba_cache")

@@ -14,7 +14,7 @@ from numba.core.errors import TypingError
 
 from cpu_attention import CpuAttentionExecutor
 from cpu_attention.decode import kernel_view
-from cpu_attention.decode_kernel import decode_layers
+from cpu_attention.decode_layers import decode_layers
 from cpu_attention.layer_loop import LayerLoop, check_step
 from tests.cpu_attention.test_decode import LSE_ATOL, TOLERANCE
 from tests.reference import paged_decode_reference, random_paged_kv, relative_error

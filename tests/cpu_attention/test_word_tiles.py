@@ -8,25 +8,25 @@ import numpy as np
 import pytest
 from numba import njit
 
-from cpu_attention import decode_kernel
-from cpu_attention.decode_kernel import _block_scores_words, _block_values_words
+from cpu_attention import kernel_switches, tile_ir, word_tiles
+from cpu_attention.block_attention import block_scores_words, block_values_words
 
-pytestmark = pytest.mark.skipif(not decode_kernel.WORD_TILES, reason="word tiles need a little-endian CPU")
+pytestmark = pytest.mark.skipif(not kernel_switches.WORD_TILES, reason="word tiles need a little-endian CPU")
 
 
 @njit
 def _split(row):
-    decode_kernel._split_pairs(row.ctypes.data, row.shape[0])
+    word_tiles.split_pairs(row.ctypes.data, row.shape[0])
 
 
 @njit
 def _join(row):
-    decode_kernel._join_pairs(row.ctypes.data, row.shape[0])
+    word_tiles.join_pairs(row.ctypes.data, row.shape[0])
 
 
 @njit
 def _max(values, count):
-    return decode_kernel._max_of(values.ctypes.data, count)
+    return tile_ir.max_of(values.ctypes.data, count)
 
 
 def _bf16(shape, rng):
@@ -77,7 +77,7 @@ def test_block_scores_match_float64(group, n, dim):
     scores = np.full((group, block_size), np.nan, np.float32)
     block_max = np.full(group, np.nan, np.float32)
     scale = np.float32(0.0884)  # about 1 / sqrt(128)
-    _block_scores_words(wide_q, h * group, group, k_cache[2, h], n, scores, block_max, k_cache, 0, scale)
+    block_scores_words(wide_q, h * group, group, k_cache[2, h], n, scores, block_max, k_cache, 0, scale)
     expected = float(scale) * (queries[h * group:(h + 1) * group].astype(np.float64) @ k_values[2, h, :n].T)
     np.testing.assert_allclose(scores[:, :n], expected, rtol=1e-5, atol=1e-5 * np.abs(expected).max())
     np.testing.assert_array_equal(block_max, scores[:, :n].max(axis=1))
@@ -95,7 +95,7 @@ def test_block_values_match_float64(group, n, dim):
     weights[:, n:] = np.nan  # past the block's rows: never read
     start = rng.standard_normal((group, dim)).astype(np.float32)
     acc = _even_odd(start).copy()
-    _block_values_words(v_cache[1, h], n, weights, acc, v_cache, 0)
+    block_values_words(v_cache[1, h], n, weights, acc, v_cache, 0)
     for g in range(group):
         _join(acc[g])
     expected = start.astype(np.float64) + weights[:, :n].astype(np.float64) @ v_values[1, h, :n]
