@@ -7,7 +7,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attention.tile_ir import FLOATS, store_sums, tile_addresses
+from cpu_attention.tile_ir import FLOATS, load_at, row_address, store_sums, tile_addresses
 
 BF16_LANES = 32  # bfloat16 values per vdpbf16ps operand: head_dim must be a multiple of this for the bf16 path
 
@@ -55,16 +55,14 @@ def _bf16_tile(num_heads, num_rows):
             sums = [[cgutils.alloca_once_value(builder, ir.Constant(FLOATS, None)) for _ in range(num_rows)]
                     for _ in range(num_heads)]
 
-            def load(address):
-                pointer = builder.inttoptr(address, _HALVES.as_pointer())
-                return builder.bitcast(builder.load(pointer, align=2), _BFLOATS)
+            def load(start, step, row, offset):
+                return builder.bitcast(load_at(builder, row_address(builder, intp, start, step, row, offset), _HALVES, 2),
+                                       _BFLOATS)
 
             with cgutils.for_range(builder, builder.udiv(length, intp(BF16_LANES))) as loop:
                 offset = builder.mul(loop.index, intp(2 * BF16_LANES))  # bytes
-                qs = [load(builder.add(builder.add(q_addr, builder.mul(q_step, intp(i))), offset))
-                      for i in range(num_heads)]
-                ks = [load(builder.add(builder.add(k_addr, builder.mul(k_step, intp(j))), offset))
-                      for j in range(num_rows)]
+                qs = [load(q_addr, q_step, i, offset) for i in range(num_heads)]
+                ks = [load(k_addr, k_step, j, offset) for j in range(num_rows)]
                 for i in range(num_heads):
                     for j in range(num_rows):
                         builder.store(builder.call(dot, [builder.load(sums[i][j]), qs[i], ks[j]]), sums[i][j])
@@ -96,7 +94,6 @@ def _bf16_values_tile(num_heads, num_rows):
             intp, (v_addr, v_step, p_addr, p_step, a_addr, a_step, length), dot = _tile_setup(
                 context, builder, signature, args)
             i32 = ir.IntType(32)
-            at = lambda address, kind: builder.inttoptr(address, kind.as_pointer())
             pairs = (num_rows + 1) // 2
             weights = []  # [head][pair]: the pair's two probabilities in bfloat16, in every lane
             for i in range(num_heads):
@@ -106,7 +103,7 @@ def _bf16_values_tile(num_heads, num_rows):
                     pair = ir.Constant(ir.VectorType(_BFloat(), 2), None)
                     for r in range(2):
                         if 2 * k + r < num_rows:
-                            value = builder.load(at(builder.add(row, intp(4 * (2 * k + r))), ir.FloatType()), align=4)
+                            value = load_at(builder, builder.add(row, intp(4 * (2 * k + r))), ir.FloatType(), 4)
                             pair = builder.insert_element(pair, builder.fptrunc(value, _BFloat()), i32(r))
                     bits = builder.bitcast(pair, i32)
                     splat = builder.insert_element(ir.Constant(ir.VectorType(i32, 16), None), bits, i32(0))
@@ -117,8 +114,8 @@ def _bf16_values_tile(num_heads, num_rows):
             zeros = ir.Constant(_HALVES, None)
             with cgutils.for_range(builder, builder.udiv(length, intp(BF16_LANES))) as loop:
                 offset = builder.mul(loop.index, intp(2 * BF16_LANES))  # bytes into a V row
-                rows = [builder.load(at(builder.add(builder.add(v_addr, builder.mul(v_step, intp(j))), offset), _HALVES),
-                                     align=2) for j in range(num_rows)]
+                rows = [load_at(builder, row_address(builder, intp, v_addr, v_step, j, offset), _HALVES, 2)
+                        for j in range(num_rows)]
                 # Values 0-15 of the pair's rows interleaved, then values 16-31: the float32 lanes stay in order.
                 mixed = []
                 for k in range(pairs):
@@ -126,8 +123,9 @@ def _bf16_values_tile(num_heads, num_rows):
                     mixed.append((builder.bitcast(builder.shuffle_vector(first, second, low), _BFLOATS),
                                   builder.bitcast(builder.shuffle_vector(first, second, high), _BFLOATS)))
                 for i in range(num_heads):
-                    base = builder.add(builder.add(a_addr, builder.mul(a_step, intp(i))), builder.add(offset, offset))
-                    halves_at = (at(base, FLOATS), at(builder.add(base, intp(64)), FLOATS))
+                    base = row_address(builder, intp, a_addr, a_step, i, builder.add(offset, offset))
+                    halves_at = [builder.inttoptr(address, FLOATS.as_pointer())
+                                 for address in (base, builder.add(base, intp(64)))]
                     for h in range(2):
                         total = builder.load(halves_at[h], align=4)
                         for k in range(pairs):

@@ -33,8 +33,8 @@ def cache_across_files(package_dir: str, tag: Callable[[], str] = lambda: "") ->
 
 def package_stamp(package_dir: str) -> str:
     """A digest of every .py file in package_dir: names and contents."""
-    files = sorted(Path(package_dir).glob("*.py"))
-    return _digest(tuple((str(f), f.stat().st_mtime_ns, f.stat().st_size) for f in files))
+    stats = [(str(f), f.stat()) for f in sorted(Path(package_dir).glob("*.py"))]
+    return _digest(tuple((path, stat.st_mtime_ns, stat.st_size) for path, stat in stats))
 
 
 @functools.lru_cache(maxsize=None)

@@ -20,6 +20,11 @@ def tile_addresses(context, builder, signature, args):
                                                 for i in range(7)]
 
 
+def row_address(builder, intp, start, step, row, offset):
+    """The byte address `offset` into row `row` of rows `step` bytes apart from `start` (all LLVM intp)."""
+    return builder.add(builder.add(start, builder.mul(step, intp(row))), offset)
+
+
 def load_at(builder, address, kind, align):
     return builder.load(builder.inttoptr(address, kind.as_pointer()), align=align)
 

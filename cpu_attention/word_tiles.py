@@ -14,7 +14,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from cpu_attention.tile_ir import FLOATS, load_at, splat, store_at, store_sums, tile_addresses
+from cpu_attention.tile_ir import FLOATS, load_at, row_address, splat, store_at, store_sums, tile_addresses
 
 WORD_VALUES = 32  # bfloat16 values per word vector: head_dim must be a multiple of this
 _WORDS = ir.VectorType(ir.IntType(32), 16)
@@ -25,6 +25,12 @@ def _word_halves(builder, words):
     even = builder.bitcast(builder.shl(words, ir.Constant(_WORDS, [16] * 16)), FLOATS)
     odd = builder.bitcast(builder.and_(words, ir.Constant(_WORDS, [-65536] * 16)), FLOATS)  # 0xFFFF0000
     return even, odd
+
+
+def _rows_halves(builder, intp, start, step, offset, num_rows):
+    """_word_halves of the 32 values at byte `offset` into each of num_rows bfloat16 rows `step` bytes apart."""
+    return [_word_halves(builder, load_at(builder, row_address(builder, intp, start, step, j, offset), _WORDS, 2))
+            for j in range(num_rows)]
 
 
 def _multiply_add(builder):
@@ -53,11 +59,9 @@ def _word_scores_tile(num_heads, num_rows):
             with cgutils.for_range(builder, builder.udiv(length, intp(WORD_VALUES))) as loop:
                 k_offset = builder.mul(loop.index, intp(2 * WORD_VALUES))  # bytes into a K row
                 q_offset = builder.mul(loop.index, intp(4 * WORD_VALUES))  # bytes into a query row
-                halves = [_word_halves(builder, load_at(
-                    builder, builder.add(builder.add(k_addr, builder.mul(k_step, intp(j))), k_offset), _WORDS, 2))
-                    for j in range(num_rows)]
+                halves = _rows_halves(builder, intp, k_addr, k_step, k_offset, num_rows)
                 for i in range(num_heads):
-                    base = builder.add(builder.add(q_addr, builder.mul(q_step, intp(i))), q_offset)
+                    base = row_address(builder, intp, q_addr, q_step, i, q_offset)
                     queries = (load_at(builder, base, FLOATS, 4),
                                load_at(builder, builder.add(base, intp(64)), FLOATS, 4))
                     for j in range(num_rows):
@@ -93,17 +97,15 @@ def _word_values_tile(num_heads, num_rows):
             intp, (v_addr, v_step, p_addr, p_step, a_addr, a_step, length) = tile_addresses(
                 context, builder, signature, args)
             fma = _multiply_add(builder)
-            weights = [[splat(builder, load_at(builder, builder.add(builder.add(p_addr, builder.mul(p_step, intp(i))),
-                                                                      intp(4 * j)), ir.FloatType(), 4), 16)
+            weights = [[splat(builder, load_at(builder, row_address(builder, intp, p_addr, p_step, i, intp(4 * j)),
+                                               ir.FloatType(), 4), 16)
                         for j in range(num_rows)] for i in range(num_heads)]
             with cgutils.for_range(builder, builder.udiv(length, intp(WORD_VALUES))) as loop:
                 v_offset = builder.mul(loop.index, intp(2 * WORD_VALUES))  # bytes into a V row
                 a_offset = builder.mul(loop.index, intp(4 * WORD_VALUES))  # bytes into an accumulator row
-                halves = [_word_halves(builder, load_at(
-                    builder, builder.add(builder.add(v_addr, builder.mul(v_step, intp(j))), v_offset), _WORDS, 2))
-                    for j in range(num_rows)]
+                halves = _rows_halves(builder, intp, v_addr, v_step, v_offset, num_rows)
                 for i in range(num_heads):
-                    base = builder.add(builder.add(a_addr, builder.mul(a_step, intp(i))), a_offset)
+                    base = row_address(builder, intp, a_addr, a_step, i, a_offset)
                     for half in range(2):
                         address = builder.add(base, intp(64 * half))
                         total = load_at(builder, address, FLOATS, 4)
