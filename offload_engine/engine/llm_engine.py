@@ -128,77 +128,111 @@ class LLMEngine:
         self._land_promotions(wait=False)
         more, prefilled, prefill_seconds = self.prefill.take(self.scheduler) if self.prefill else ([], 0, 0.0)
         finished += more
-        # Host-tier sequences take freed device room before new requests do, as "gpu" re-admits its
-        # preempted sequences first (engine/placement.py).
-        # Where promotions need the executor, which a whole-step host loop holds until its step is back, promote
-        # between host steps, rather than have this thread wait on the executor.
-        promotes_now = self.in_flight is None or (self.runner.promotes_beside_host_steps
-                                                  and not self.runner.host_writes_pending())
-        moves = self.scheduler.schedule_promotions() if promotes_now else []
-        # Of the engine thread, starting this step's moves (LaneStats.move_done). Promotions followed by a prefill
-        # step go unrecorded: the prefill's time would swamp what they cost.
-        move_seconds = 0.0
-        if moves:
-            began = time.perf_counter()
-            self._promote(moves)
-            move_seconds = time.perf_counter() - began
+        promoted, move_seconds = self._start_promotions()
         batch = self._schedule_prefill()
         if batch:
-            finished += self._resolve_device_step()
-            began = time.perf_counter()
-            num_tokens = sum(s.num_scheduled_tokens for s in batch)
-            host_tokens = sum(s.num_scheduled_tokens for s in batch if s.location == BlockLocation.CPU)
-            sampled = self.runner.run(batch, is_prefill=True)
-            self.stats.prefill_done(num_tokens, host_tokens, time.perf_counter() - began)
-            finished += self.scheduler.postprocess(batch, sampled)
-            return StepStats(True, num_tokens, time.perf_counter() - start, finished)
+            return self._prefill_step(batch, finished, start)
         if self.in_flight is None:
-            # Holding sequences back for a promotion mid-step helps only where promotions can happen mid-step.
-            horizon = self.host_step_seconds / max(self.device_step_seconds, 1e-4) + 1
-            hold_back = (self.scheduler.promotion_hold_back(horizon) if self.runner.promotes_beside_host_steps
-                         else frozenset())
-            if self.scheduler.host_step_pays():
-                self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU, hold_back=hold_back))
+            self._start_host_step_if_it_pays()
         batch = self.scheduler.schedule_decode(BlockLocation.GPU)
-        # The old device blocks of rows demoted now that the next few steps may write: their copy goes first.
-        spare = DEMOTION_SPARE_STEPS * self.blocks.pool(BlockLocation.GPU).blocks_for(len(batch))
-        demoted, first_blocks = self.scheduler.take_demotions(spare)
-        if demoted:
-            began = time.perf_counter()
-            self._demote(demoted, first_blocks)
-            move_seconds += time.perf_counter() - began
-        moved = (sum(move.num_computed_tokens for move, _ in moves + demoted), move_seconds)
-        if moved[0] and not batch:
-            self.stats.move_done(*moved)  # no device step to slow down
+        demoted, demote_seconds = self._start_demotions(len(batch))
+        moved = (sum(move.num_computed_tokens for move, _ in promoted + demoted), move_seconds + demote_seconds)
         if batch:
-            launched = self.runner.run(batch, is_prefill=False)
-            self.scheduler.launched(launched.seqs)
-            copying = moves or demoted or self.promoting or (self.prefill is not None and self.prefill.landing)
-            launched.host_busy, launched.quiet, launched.moved = self.in_flight is not None, not copying, moved
-            finished += self._resolve_device_step()  # the step before: the GPU has this one queued behind it
-            self.pending = launched
-            if not self.cfg.async_scheduling:
-                finished += self._resolve_device_step()
+            finished += self._device_decode_step(batch, moved, copying=bool(promoted or demoted))
             num_tokens += len(batch)
-            self.decoded_by_lane["device"] += len(batch)
-        elif self.pending is not None:
-            finished += self._resolve_device_step()
-        elif self.promoting:
-            self._land_promotions(wait=True)  # the device lane's next rows, a few ms away
-        elif self.prefill is not None and self.prefill.busy:
-            if self.in_flight is None:  # (as below: a lane the cost check held back steps now)
-                self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU))
-            self.prefill.wait(self.in_flight[1] if self.in_flight else None)  # rows for either lane, taken in next
-        elif self.in_flight is not None or self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU)):
-            # Nothing else to do until it is back. (A lane the cost check held back steps here too, once the
-            # device lane has no rows left this step.)
-            more, count = self._take_host_step(wait=True)
+        else:
+            if moved[0]:
+                self.stats.move_done(*moved)  # no device step to slow down
+            more, count = self._wait_for_either_lane(progressed=bool(num_tokens))
             finished, num_tokens = finished + more, num_tokens + count
-        elif not num_tokens:
-            raise RuntimeError("the scheduler found no runnable work although requests are pending")
         if prefilled and not num_tokens:  # a step that decoded nothing reports the prefill it took in
             return StepStats(True, prefilled, prefill_seconds, finished)
         return StepStats(False, num_tokens, time.perf_counter() - start, finished)
+
+    def _start_promotions(self) -> tuple[list[tuple[Sequence, list[int]]], float]:
+        """Host-tier sequences take freed device room before new requests do, as "gpu" re-admits its preempted
+        sequences first (engine/placement.py). Returns the moves started and the engine thread's time starting
+        them (LaneStats.move_done).
+
+        Where promotions need the executor, which a whole-step host loop holds until its step is back, they happen
+        between host steps, rather than have this thread wait on the executor."""
+        promotes_now = self.in_flight is None or (self.runner.promotes_beside_host_steps
+                                                  and not self.runner.host_writes_pending())
+        moves = self.scheduler.schedule_promotions() if promotes_now else []
+        if not moves:
+            return [], 0.0
+        began = time.perf_counter()
+        self._promote(moves)
+        return moves, time.perf_counter() - began
+
+    def _prefill_step(self, batch: list[Sequence], finished: list[Sequence], start: float) -> StepStats:
+        """Runs one prefill step on this device, after reading the device-lane step in flight. Promotions started
+        just before go unrecorded: the prefill's time would swamp what they cost."""
+        finished += self._resolve_device_step()
+        began = time.perf_counter()
+        num_tokens = sum(s.num_scheduled_tokens for s in batch)
+        host_tokens = sum(s.num_scheduled_tokens for s in batch if s.location == BlockLocation.CPU)
+        sampled = self.runner.run(batch, is_prefill=True)
+        self.stats.prefill_done(num_tokens, host_tokens, time.perf_counter() - began)
+        finished += self.scheduler.postprocess(batch, sampled)
+        return StepStats(True, num_tokens, time.perf_counter() - start, finished)
+
+    def _start_host_step_if_it_pays(self) -> None:
+        """Starts a host-lane step if the cost check lets it (placement.host_step_pays). Host rows that device room
+        is about to free up for sit it out, where they could be promoted mid-step."""
+        horizon = self.host_step_seconds / max(self.device_step_seconds, 1e-4) + 1
+        hold_back = (self.scheduler.promotion_hold_back(horizon) if self.runner.promotes_beside_host_steps
+                     else frozenset())
+        if self.scheduler.host_step_pays():
+            self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU, hold_back=hold_back))
+
+    def _start_demotions(self, device_rows: int) -> tuple[list[tuple[Sequence, list[int]]], float]:
+        """Demotes the device rows the pool has no room for. The old device blocks of rows demoted now that the
+        next few steps may write have their copy go first. Returns the demotions and the engine thread's time."""
+        spare = DEMOTION_SPARE_STEPS * self.blocks.pool(BlockLocation.GPU).blocks_for(device_rows)
+        demoted, first_blocks = self.scheduler.take_demotions(spare)
+        if not demoted:
+            return [], 0.0
+        began = time.perf_counter()
+        self._demote(demoted, first_blocks)
+        return demoted, time.perf_counter() - began
+
+    def _device_decode_step(self, batch: list[Sequence], moved: tuple[int, float], copying: bool) -> list[Sequence]:
+        """Queues a device-lane decode step, then reads the one before it (the GPU has this one queued behind it);
+        without async scheduling, this one too. Returns the rows finished. `moved`: the tokens and engine-thread
+        seconds of this step's moves; a step beside KV copies is not timed as a quiet one."""
+        launched = self.runner.run(batch, is_prefill=False)
+        self.scheduler.launched(launched.seqs)
+        copying = copying or bool(self.promoting) or (self.prefill is not None and self.prefill.landing)
+        launched.host_busy, launched.quiet, launched.moved = self.in_flight is not None, not copying, moved
+        finished = self._resolve_device_step()
+        self.pending = launched
+        if not self.cfg.async_scheduling:
+            finished += self._resolve_device_step()
+        self.decoded_by_lane["device"] += len(batch)
+        return finished
+
+    def _wait_for_either_lane(self, progressed: bool) -> tuple[list[Sequence], int]:
+        """With no device rows to step: waits for what comes next (the device step in flight, promotions' copies,
+        the prefill lane, or a host step) and returns the rows finished and the tokens decoded. `progressed`: this
+        step has already decoded tokens; if it has not and nothing is under way, the scheduler is stuck."""
+        if self.pending is not None:
+            return self._resolve_device_step(), 0
+        if self.promoting:
+            self._land_promotions(wait=True)  # the device lane's next rows, a few ms away
+            return [], 0
+        if self.prefill is not None and self.prefill.busy:
+            if self.in_flight is None:  # (as below: a lane the cost check held back steps now)
+                self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU))
+            self.prefill.wait(self.in_flight[1] if self.in_flight else None)  # rows for either lane, taken in next
+            return [], 0
+        if self.in_flight is not None or self._start_host_step(self.scheduler.schedule_decode(BlockLocation.CPU)):
+            # Nothing else to do until it is back. (A lane the cost check held back steps here too, once the device
+            # lane has no rows left this step.)
+            return self._take_host_step(wait=True)
+        if not progressed:
+            raise RuntimeError("the scheduler found no runnable work although requests are pending")
+        return [], 0
 
     def _schedule_prefill(self) -> list[Sequence]:
         """The prompt chunks to run on this device now. With a prefill lane, its rows go there instead, one batch
