@@ -123,6 +123,9 @@ class LLMEngine:
         return stats
 
     def _step(self) -> StepStats:
+        """One engine step: take in what came back (the host lane's step, promotions' copies, the prefill lane's
+        rows) and start promotions; then either a prefill step, or a device-lane decode step beside the host lane
+        with this step's demotions, or, with no device rows, a wait for whichever lane has work."""
         start = time.perf_counter()
         finished, num_tokens = self._take_host_step(wait=False)
         self._land_promotions(wait=False)
