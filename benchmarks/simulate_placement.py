@@ -7,8 +7,9 @@ the device, and the replay reproduces a device run's step and move counts. On th
 64 x (1024 + 1024) at 3,296 device blocks, it matched "gpu" exactly (2,074 device steps of 31.6 rows, 28
 recomputes) and "auto"'s steps and moves within 1%.
 
-Not modelled: the host lane's GPU work beyond a constant slowdown of device steps (host-tier prefill only as a
-constant per token beyond a device-tier prompt's), and
+Not modelled: the host lane's GPU work beyond a slowdown of device steps (a constant factor, or with
+--device-ms-per-host-step a fixed cost per host step; host-tier prefill only as a constant per token beyond a
+device-tier prompt's), and
 async scheduling's overlap beyond this: the GPU runs device steps back to back and the engine's own work hides
 behind them; the engine waits, on the clock, only where it reads a step's tokens. (Until 2026-11-23 a step moved
 the clock when it was queued, so a step read with no newer one behind it measured 0 s and the engine's device
@@ -20,7 +21,7 @@ each, and 1.01 once they no longer did.)
 
     PYTHONPATH=. python -m benchmarks.simulate_placement [--mixed] [--out PATH]
     PYTHONPATH=. python -m benchmarks.simulate_placement --model qwen3-8b --num-seqs 64 --prompt-len 1024 \\
-        --output-len 1024 --num-gpu-blocks 3296 [--spread 0.5]
+        --output-len 1024 --num-gpu-blocks 3296 [--spread 0.5] [--device-ms-per-host-step 3]
 
 `--mixed` replays the suite's points with lengths spread around their means (workloads.mixed_lengths): a real
 batch's requests end at different steps, so device room frees a row at a time instead of all at once.
@@ -64,6 +65,17 @@ class CostModel:
     kv_bytes: int  # KV bytes per token
     host_prefill_s_per_tok: float = 0.0  # what a host-tier prompt token's prefill takes beyond a device-tier one's
     link_bytes_per_s: float = 50e9  # the pinned copy ModelRunner times at start-up (LaneStats' move-cost seed)
+    # If set, a host step costs the device lane this many seconds whatever its length (its rows' linear layers
+    # read the weights again), spread over the device steps it overlaps, instead of the constant factor `busy`.
+    # 8B on the H100 host (2026-11-24, bench_lane_interference.py, 24 device rows): 2.7 ms beside host steps of
+    # 12 rows (52 ms), 3.2-3.3 ms beside 24 rows (95-115 ms), where a constant factor would have them 1:2.
+    device_s_per_host_step: float | None = None
+
+    def busy_factor(self, host_step_seconds: float) -> float:
+        """How much longer a device step takes beside a host step of this length than with the lane idle."""
+        if self.device_s_per_host_step is None:
+            return self.busy
+        return 1 + self.device_s_per_host_step / max(host_step_seconds, 1e-3)
 
 
 # Read off the H100 runs of 2026-11-23 (after the runner work: whole-step graphs, async scheduling).
@@ -225,7 +237,8 @@ class FakeRunner:
                                        + host * self.cost.host_prefill_s_per_tok)
             return [1] * len(batch)
         host_busy = self.engine.in_flight is not None
-        done_at = self._gpu(self._decode_seconds(batch) * (self.cost.busy if host_busy else 1.0))
+        slower = self.cost.busy_factor(self.engine.host_step_seconds) if host_busy else 1.0
+        done_at = self._gpu(self._decode_seconds(batch) * slower)
         self.decode_steps.append((len(batch), host_busy))
         return FakeDeferred(self.clock, batch, self.clock.now, done_at)
 
@@ -251,10 +264,9 @@ class FakeRunner:
         return False
 
 
-def build_engine(policy: str, point: Point, clock: SimClock) -> llm_engine.LLMEngine:
+def build_engine(policy: str, point: Point, clock: SimClock, cost: CostModel) -> llm_engine.LLMEngine:
     """An LLMEngine with the real scheduler, pools and lane statistics around the fakes. Its __init__ would
     load a model, so the attributes _step uses are set here instead."""
-    cost = COST_MODELS[point.model]
     engine = object.__new__(llm_engine.LLMEngine)
     engine.blocks = BlockManager(point.num_gpu_blocks, DEVICE_BLOCK_SIZE, HOST_POOL_BLOCKS[point.model],
                                  HOST_BLOCK_SIZE, enable_prefix_caching=True)
@@ -281,11 +293,11 @@ def add_requests(engine: llm_engine.LLMEngine, point: Point) -> None:
         engine.add(Sequence(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True), prompt_len + output_len))
 
 
-def simulate(policy: str, point: Point) -> dict:
+def simulate(policy: str, point: Point, cost: CostModel | None = None) -> dict:
     """Runs every request of the point to its end under `policy`; returns what a device run would report."""
     clock = SimClock()
     with engine_time_from(clock):
-        engine = build_engine(policy, point, clock)
+        engine = build_engine(policy, point, clock, cost or COST_MODELS[point.model])
         add_requests(engine, point)
         while engine.has_work():
             engine._step()
@@ -311,8 +323,11 @@ def summarize(policy: str, point: Point, engine: llm_engine.LLMEngine, seconds: 
     }
 
 
-def compare(point: Point) -> dict:
-    by_policy = {policy: simulate(policy, point) for policy in POLICIES}
+def compare(point: Point, device_ms_per_host_step: float | None = None) -> dict:
+    cost = COST_MODELS[point.model]
+    if device_ms_per_host_step is not None:
+        cost = replace(cost, device_s_per_host_step=device_ms_per_host_step / 1e3)
+    by_policy = {policy: simulate(policy, point, cost) for policy in POLICIES}
     return {**asdict(point), "workload": point.workload, "num_cpu_blocks": HOST_POOL_BLOCKS[point.model],
             **by_policy,
             "auto_over_gpu": round(by_policy["auto"]["tok_s"] / by_policy["gpu"]["tok_s"], 3)}
@@ -348,8 +363,13 @@ def parse_args() -> argparse.Namespace:
                         help="a single point's lengths uniform in [L(1 - spread), L(1 + spread)]")
     parser.add_argument("--mixed", action="store_true",
                         help=f"the suite's points with mixed lengths (spreads {', '.join(map(str, SPREAD_GRID))})")
+    parser.add_argument("--device-ms-per-host-step", type=float,
+                        help="a single point's host steps each cost the device lane this many ms (its weight reads), "
+                             "instead of the cost model's constant slowdown (8B on the H100 host: 2.7-3.3)")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
+    if args.device_ms_per_host_step is not None and args.model is None:
+        parser.error("--device-ms-per-host-step is per model: give it with a single point (--model ...)")
     given = [name for name in SINGLE_POINT_OPTIONS if getattr(args, name) is not None]
     if given and len(given) < len(SINGLE_POINT_OPTIONS):
         missing = [f"--{name.replace('_', '-')}" for name in SINGLE_POINT_OPTIONS if name not in given]
@@ -365,7 +385,7 @@ def main() -> None:
     print(HEADER)
     results = []
     for point in points:
-        results.append(compare(point))
+        results.append(compare(point, args.device_ms_per_host_step))
         print(format_line(results[-1]), flush=True)
     if args.out:
         with open(args.out, "w") as f:

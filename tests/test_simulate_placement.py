@@ -33,3 +33,10 @@ def test_mixed_lengths_spread_around_their_means_and_repeat():
     assert mixed_lengths(3, 10, 4) == ([10] * 3, [4] * 3)
     with pytest.raises(ValueError, match="spread"):
         mixed_lengths(3, 10, 4, spread=1.0)
+
+
+def test_a_cost_per_host_step_slows_only_the_device_steps_beside_host_steps():
+    point = Point("qwen3-0.6b", num_seqs=12, prompt_len=96, output_len=48, num_gpu_blocks=24)
+    free, costly = compare(point, device_ms_per_host_step=0.0), compare(point, device_ms_per_host_step=20.0)
+    assert costly["gpu"] == free["gpu"]  # no host lane, nothing to slow
+    assert costly["auto"]["seconds"] > free["auto"]["seconds"]
