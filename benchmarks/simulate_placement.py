@@ -328,7 +328,8 @@ def compare(point: Point, device_ms_per_host_step: float | None = None) -> dict:
     if device_ms_per_host_step is not None:
         cost = replace(cost, device_s_per_host_step=device_ms_per_host_step / 1e3)
     by_policy = {policy: simulate(policy, point, cost) for policy in POLICIES}
-    return {**asdict(point), "workload": point.workload, "num_cpu_blocks": HOST_POOL_BLOCKS[point.model],
+    model = {} if device_ms_per_host_step is None else {"device_ms_per_host_step": device_ms_per_host_step}
+    return {**asdict(point), "workload": point.workload, "num_cpu_blocks": HOST_POOL_BLOCKS[point.model], **model,
             **by_policy,
             "auto_over_gpu": round(by_policy["auto"]["tok_s"] / by_policy["gpu"]["tok_s"], 3)}
 
