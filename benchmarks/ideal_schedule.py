@@ -112,8 +112,7 @@ class IdealSchedule:
         self.in_host_step = []
 
     def device_step(self, rows: list[Row]) -> None:
-        kv_bytes = sum(row.tokens for row in rows) * self.cost.kv_bytes
-        seconds = self.cost.dev_fixed + self.cost.dev_row * len(rows) + kv_bytes / self.cost.kv_bw
+        seconds = self.cost.device_step_seconds(len(rows), sum(row.tokens for row in rows))
         self.clock += seconds * (self.device_slowdown if self.in_host_step else 1.0)
         for row in rows:
             row.advance()

@@ -71,6 +71,10 @@ class CostModel:
     # 12 rows (52 ms), 3.2-3.3 ms beside 24 rows (95-115 ms), where a constant factor would have them 1:2.
     device_s_per_host_step: float | None = None
 
+    def device_step_seconds(self, rows: int, kv_tokens: int) -> float:
+        """A device decode step of `rows` rows holding `kv_tokens` tokens of KV, with the host lane idle."""
+        return self.dev_fixed + self.dev_row * rows + kv_tokens * self.kv_bytes / self.kv_bw
+
     def busy_factor(self, host_step_seconds: float) -> float:
         """How much longer a device step takes beside a host step of this length than with the lane idle."""
         if self.device_s_per_host_step is None:
@@ -238,13 +242,9 @@ class FakeRunner:
             return [1] * len(batch)
         host_busy = self.engine.in_flight is not None
         slower = self.cost.busy_factor(self.engine.host_step_seconds) if host_busy else 1.0
-        done_at = self._gpu(self._decode_seconds(batch) * slower)
+        done_at = self._gpu(self.cost.device_step_seconds(len(batch), sum(map(len, batch))) * slower)
         self.decode_steps.append((len(batch), host_busy))
         return FakeDeferred(self.clock, batch, self.clock.now, done_at)
-
-    def _decode_seconds(self, batch: list[Sequence]) -> float:
-        kv_bytes = sum(map(len, batch)) * self.cost.kv_bytes
-        return self.cost.dev_fixed + self.cost.dev_row * len(batch) + kv_bytes / self.cost.kv_bw
 
     def promote(self, moves) -> None:
         self._move(sum(seq.num_computed_tokens for seq, _ in moves) * self.cost.promote_s_per_tok)
