@@ -13,7 +13,8 @@
   - Which rows move: demotion takes the device rows nearest their end first (`demotion_order`) while the host
     lane would step with them, the newest (as "gpu" preempts) when they would sit parked (`demotion_victims`);
     promotion takes the host rows furthest from their end: the device lane keeps the rows that would otherwise
-    decode alone at the end.
+    decode alone at the end. Once no request waits, a host row swaps places with a device row nearer its end
+    that holds more KV (`promotions`): the device lane runs more rows in the same blocks.
   - Promotion: when device room frees, host sequences move back up before new requests are admitted (as
     "gpu" re-admits its preempted sequences first), but a new request is held for them only for a while
     (`_held_for_promotion`): host rows go on decoding while they wait, a held request does not.
@@ -312,9 +313,14 @@ def _host_rate(row_tokens: list[int], stats: LaneStats) -> float | None:
 
 # Device room a promotion leaves for the next tokens of the device rows and of the promoted row (see promotions()).
 PROMOTION_HEADROOM_TOKENS = 64
+# How many more tokens a host row must have left than the device row it would displace, to move up past the
+# headroom (see promotions()). Gaps of 32-256 replayed within 0.01 of 1 on average; a gap longer than any
+# request's output turns the swaps off.
+SWAP_GAP_TOKENS = 1
 
 
-def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: int = 0) -> Iterator[Sequence]:
+def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: int = 0,
+               stats: LaneStats | None = None, rotate: bool = False) -> Iterator[Sequence]:
     """Host-tier sequences that the device pool can take now, most tokens left first (the oldest first among
     equals), skipping those in flight or still in prefill, and split sequences (whose parts stay). extra_room:
     blocks that are about to free up, to ask which sequences will fit then.
@@ -325,16 +331,53 @@ def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: in
     demoted the next row near its end, which had 4.4k tokens of KV: 18 promotions and 23 demotions where "gpu"
     preempted twice (8B shape, 32 x (4096 + 512) at 3,296 blocks, benchmarks/simulate_placement.py). With 64
     tokens the replay read 0.970 there against 0.940, and every other point within 0.02 or better; 32 or 128
-    tokens replayed within 0.03 of 64 (NOTES.md, 2026-11-24)."""
+    tokens replayed within 0.03 of 64 (NOTES.md, 2026-11-24).
+
+    With `rotate` (no request waits to be admitted), a row the headroom keeps out moves up anyway when its next
+    token fits and the row the next demotion would take (demotion_victims) holds at least as much KV and has
+    SWAP_GAP_TOKENS fewer tokens left than it: the device pool then swaps that row for this one within a few
+    steps. The device lane keeps the rows furthest
+    from their end, which hold the least KV, so it runs more rows in the same blocks, and the rows advance
+    together instead of ending on a tail. In a decode-heavy batch the headroom otherwise blocked every
+    promotion while the device was full: the first wave's rows stayed on the device as their KV grew (8B shape,
+    64 x (1024 + 1024) at 3,296 blocks: 50 rows falling to 26 over 10 s, in the replay). An idealized schedule
+    that swaps this way (benchmarks/ideal_schedule.py) held ~35. While requests wait, device room is theirs
+    first (choose_tier), and swapping host rows in ahead of them left a batch of 128 a tail of its last
+    admissions (benchmarks/simulate_placement.py, NOTES.md, 2026-11-24, fifteenth session)."""
     gpu = blocks.pool(GPU)
     running = list(running)
-    ahead = lambda seq: gpu.blocks_for(min(len(seq) + PROMOTION_HEADROOM_TOKENS, seq.budget))
-    room = gpu.num_free + extra_room - sum(max(0, ahead(s) - len(s.block_table)) for s in running
-                                           if s.location == GPU)
+    ahead = lambda seq, tokens: gpu.blocks_for(min(len(seq) + tokens, seq.budget))
+    lacking = lambda tokens: sum(max(0, ahead(s, tokens) - len(s.block_table)) for s in running if s.location == GPU)
+    room = gpu.num_free + extra_room - lacking(PROMOTION_HEADROOM_TOKENS)
+    tight_room = gpu.num_free + extra_room - lacking(1)  # for every device row's next token only
     candidates = [seq for seq in running
                   if seq.location == CPU and not seq.is_split and not seq.in_flight and not seq.in_prefill]
+    promoted: set[int] = set()
+    swapping = rotate
     for seq in sorted(candidates, key=lambda s: -s.tokens_left):  # stable: admission order among equals
-        needed = max(ahead(seq), gpu.blocks_for(len(seq) + 1))
-        if gpu.blocks_for(seq.budget) <= gpu.num_blocks and needed <= room:
-            room -= needed
-            yield seq
+        if gpu.blocks_for(seq.budget) > gpu.num_blocks:
+            continue
+        next_token = gpu.blocks_for(len(seq) + 1)
+        needed = max(ahead(seq, PROMOTION_HEADROOM_TOKENS), next_token)
+        if needed > room:
+            if not swapping or next_token > tight_room:
+                continue
+            # One try a call: the candidates after one that would not swap have fewer tokens left still.
+            swapping = _swaps_in(seq, running, promoted, stats)
+            if not swapping:
+                continue
+        room -= needed
+        tight_room -= next_token
+        promoted.add(seq.seq_id)
+        yield seq
+
+
+def _swaps_in(seq: Sequence, running: list[Sequence], promoted: set[int], stats: LaneStats | None) -> bool:
+    """Whether, with seq and the rows promoted before it on the device, the row the next demotion would take
+    (demotion_victims) is another row, with SWAP_GAP_TOKENS fewer tokens left than seq and no less KV (see
+    promotions()): a swap that leaves the device lane no fewer rows."""
+    on_device = lambda s: s.location == GPU or s.seq_id in promoted or s is seq
+    device = [s for s in running if on_device(s) and not s.in_prefill]
+    host = [s for s in running if not on_device(s) and s.location == CPU]
+    victim = next(demotion_victims(device, host, stats))
+    return victim is not seq and seq.tokens_left - victim.tokens_left >= SWAP_GAP_TOKENS and len(victim) >= len(seq)

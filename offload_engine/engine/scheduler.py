@@ -143,7 +143,9 @@ class Scheduler:
         if not self.kv_promotion:
             return []
         self.blocks.pool(BlockLocation.GPU).reclaim()
-        moves = [(seq, self.blocks.move(seq, BlockLocation.GPU)) for seq in promotions(self.running, self.blocks)]
+        # With no request waiting for room, host rows may swap places with device rows nearer their end.
+        promoted = list(promotions(self.running, self.blocks, stats=self.stats, rotate=not self.waiting))
+        moves = [(seq, self.blocks.move(seq, BlockLocation.GPU)) for seq in promoted]
         for seq, _ in moves:
             seq.promoted = True
         self.num_promotions += len(moves)

@@ -7,7 +7,9 @@ from offload_engine import SamplingParams
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.host_stay import promotion_delays, promotion_order
 from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.placement import PROMOTION_HEADROOM_TOKENS, PROMOTION_HOLD_STEPS, choose_tier, promotions
+from offload_engine.engine import placement
+from offload_engine.engine.placement import (PROMOTION_HEADROOM_TOKENS, PROMOTION_HOLD_STEPS, choose_tier,
+                                             demotion_order, promotions)
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
@@ -111,3 +113,72 @@ def test_move_cost_is_seeded_from_the_link_then_measured():
     seeded.move_done(0, 1.0)  # nothing moved: nothing learnt
     assert math.isclose(seeded.move_seconds_per_token, 2e-6)
     assert seeded.snapshot()["moves_measured"] == 1
+
+
+
+def test_once_no_request_waits_a_host_row_swaps_past_the_headroom_with_a_device_row_nearer_its_end(monkeypatch):
+    """With `rotate`, a host row the headroom keeps out moves up when its next token fits and the row the next
+    demotion would take holds at least as much KV and has fewer tokens left: the device pool then holds the rows
+    furthest from their end, which hold the least KV, and runs more of them."""
+    blocks = BlockManager(100, 16, 1000, 16, False)
+    device = _placed(blocks, GPU, 1200, 20)  # 75 blocks; 76 with its next token, 77 at its budget
+    host = _placed(blocks, CPU, 320, 1000)  # 20 blocks, 21 with its next token, 24 with the headroom
+    device.num_computed_tokens, host.num_computed_tokens = 1200, 320
+    rows = [device, host]
+    assert blocks.pool(GPU).num_free == 25
+    assert list(promotions(rows, blocks)) == []  # the headroom: 2 + 24 > 25
+    assert list(promotions(rows, blocks, rotate=True)) == [host]  # the next tokens: 1 + 21 <= 25
+    monkeypatch.setattr(placement, "SWAP_GAP_TOKENS", 1000 - 20 + 1)  # a wider gap than theirs
+    assert list(promotions(rows, blocks, rotate=True)) == []
+    monkeypatch.undo()
+    # No swap with a device row that has as many tokens left (its headroom: 4 blocks; 4 + 24 > 25)...
+    device.budget = len(device) + 1000
+    assert list(promotions(rows, blocks, rotate=True)) == []
+    # ...or less KV than the host row: a 300-token row with 20 left beside one of 1,000 with 1,000 left, 25 blocks
+    # free (headroom: 1 + 4 + 24 > 25; next tokens: 21 <= 25).
+    small = BlockManager(19 + 63 + 25, 16, 1000, 16, False)
+    others = [_placed(small, GPU, 300, 20), _placed(small, GPU, 1000, 1000), _placed(small, CPU, 320, 1000)]
+    for row in others:
+        row.num_computed_tokens = len(row)
+    assert small.pool(GPU).num_free == 25 and list(promotions(others, small, rotate=True)) == []
+    # ...or where the next tokens of both do not fit (400 tokens: 26 blocks with the next one; 1 + 26 > 25).
+    device.budget = len(device) + 20
+    host.token_ids += [7] * 80
+    host.num_computed_tokens, host.budget = len(host), len(host) + 1000
+    assert list(promotions(rows, blocks, rotate=True)) == []
+    del host.token_ids[320:]
+    host.num_computed_tokens, host.budget = len(host), len(host) + 1000
+    assert list(promotions(rows, blocks, rotate=True)) == [host]
+
+
+def test_the_swap_completes_as_the_pool_overflows_and_waits_while_a_request_does():
+    """The scheduler swaps only while no request waits for room (device room is theirs first); the row it promotes
+    past the headroom overflows the pool within a few steps, and the demotion takes the row nearest its end."""
+    from offload_engine.engine.scheduler import Scheduler
+    from tests.engine.test_kv_demotion import _decoding
+
+    def build(waiting: bool):
+        blocks = BlockManager(num_gpu_blocks=9, block_size=4, num_cpu_blocks=16, cpu_block_size=4)
+        scheduler = Scheduler(blocks, "auto", max_num_seqs=8, max_num_batched_tokens=64, max_model_len=64,
+                              eos_token_ids=(), kv_promotion=True)
+        # Device rows of 9 and 13 tokens (2 + 3 blocks, a block more each for this step's token), 20 and 8 tokens
+        # left; a host row of 5 tokens with 30 left, which needs 2 device blocks with its next token.
+        rows = [_decoding(scheduler, blocks, n, left, tier) for n, left, tier in ((8, 20, GPU), (12, 8, GPU),
+                                                                                 (4, 30, CPU))]
+        if waiting:
+            scheduler.add(Sequence(list(range(40)), SamplingParams(max_tokens=4), budget=44))
+        return scheduler, rows
+
+    scheduler, _ = build(waiting=True)
+    assert scheduler.schedule_promotions() == []
+    scheduler, (far, near_end, host) = build(waiting=False)
+    assert [seq for seq, _ in scheduler.schedule_promotions()] == [host]
+    for _ in range(8):  # the pool overflows in the fifth step
+        batch = scheduler.schedule_decode(GPU)
+        if scheduler.num_demotions:
+            break
+        for seq in batch:  # the step's tokens: each row's next token has KV and one more is sampled
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(7)
+    assert [seq for seq, _ in scheduler.take_demotions()[0]] == [near_end]
+    assert far.location == host.location == GPU and near_end.location == CPU and scheduler.num_preemptions == 0

@@ -4,7 +4,7 @@ import torch
 
 from cpu_attention import CpuAttentionExecutor
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine import kv_demotion, kv_promotion
+from offload_engine.engine import kv_demotion, kv_promotion, placement
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.move_staging import MoveStaging
@@ -140,6 +140,24 @@ def test_demoted_sequences_move_back_up_when_room_frees(qwen3_dir):
     _assert_all_blocks_free(llm)
     llm.close()
 
+
+
+def test_host_rows_swap_places_with_device_rows_nearer_their_end_and_stay_exact(qwen3_dir, monkeypatch):
+    """Once every request is admitted, host rows with more tokens left move up past the promotion headroom and the
+    device rows nearest their end go down for them (placement.promotions, `rotate`): every row's tokens stay
+    transformers' greedy ones, whichever lanes it decoded in."""
+    swaps = []
+    swaps_in = placement._swaps_in
+    monkeypatch.setattr(placement, "_swaps_in", lambda *args: swaps.append(swaps_in(*args)) or swaps[-1])
+    # Four prompts of ~40 fill 12 of the 14 device blocks with 30 tokens to go; four of ~20 with 60 to go start on
+    # the host, and swap places with device rows as those outgrow the pool and near their end.
+    prompts = random_prompts((40, 41, 39, 40, 20, 19, 21, 20), 256, seed=105)
+    max_tokens = (30, 30, 30, 30, 60, 60, 60, 60)
+    llm, outputs = _run(qwen3_dir, prompts, max_tokens, num_gpu_blocks=14, num_cpu_blocks=128)
+    assert any(swaps) and llm.engine.scheduler.num_preemptions == 0
+    _assert_exact(qwen3_dir, prompts, outputs, max_tokens)
+    _assert_all_blocks_free(llm)
+    llm.close()
 
 def test_both_pools_tight_fall_back_to_recompute_and_lose_nothing(qwen3_dir):
     # Four prompts of 30 fill the 8-block device pool and all need a third block in the same step: the
