@@ -8,8 +8,7 @@ from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.host_stay import promotion_delays, promotion_order
 from offload_engine.engine.lane_stats import LaneStats
 from offload_engine.engine import placement
-from offload_engine.engine.placement import (PROMOTION_HEADROOM_TOKENS, PROMOTION_HOLD_STEPS, choose_tier,
-                                             demotion_order, promotions)
+from offload_engine.engine.placement import PROMOTION_HEADROOM_TOKENS, PROMOTION_HOLD_STEPS, choose_tier, promotions
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
