@@ -19,7 +19,7 @@ device runs decide. (It predicted 1.07 for the demotion order of d2e1354 at the
 point above; the device measured 0.84, because demotions' staged copies then held the engine's thread 47 ms
 each, and 1.01 once they no longer did.)
 
-    PYTHONPATH=. python -m benchmarks.simulate_placement [--mixed] [--out PATH]
+    PYTHONPATH=. python -m benchmarks.simulate_placement [--mixed | --grid] [--out PATH]
     PYTHONPATH=. python -m benchmarks.simulate_placement --model qwen3-8b --num-seqs 64 --prompt-len 1024 \\
         --output-len 1024 --num-gpu-blocks 3296 [--spread 0.5] [--device-ms-per-host-step 3]
 
@@ -349,6 +349,24 @@ def format_line(result: dict) -> str:
             f"{auto['demotions']:>6} {auto['promotions']:>7} {recomputes:>18}")
 
 
+# --grid: ten shapes at 1/2, 1/4 and 1/8 of the batch's KV, equal and +-50% lengths, then the suite and the points
+# measured off it. Rules are checked here before a device run: min, mean and points below 0.97 (NOTES.md).
+GRID_SHAPES = (("qwen3-0.6b", 64, 2048, 256), ("qwen3-0.6b", 32, 1024, 1024), ("qwen3-0.6b", 64, 512, 2048),
+               ("qwen3-0.6b", 16, 4096, 1024), ("qwen3-8b", 32, 4096, 128), ("qwen3-8b", 64, 1024, 1024),
+               ("qwen3-8b", 48, 2048, 512), ("qwen3-8b", 32, 4096, 512), ("qwen3-8b", 96, 1024, 1024),
+               ("qwen3-8b", 128, 512, 512))
+
+
+def grid_points() -> list[Point]:
+    points = list(SUITE)
+    for model, seqs, prompt, output in GRID_SHAPES:
+        blocks = seqs * -(-(prompt + output) // DEVICE_BLOCK_SIZE)
+        points += [Point(model, seqs, prompt, output, blocks // share, spread)
+                   for share in (2, 4, 8) for spread in (0.0, 0.5)]
+    return points + [Point("qwen3-8b", 48, 2048, 512, blocks) for blocks in (2560, 1920)] + [
+        Point("qwen3-8b", 32, 4096, 512, blocks) for blocks in (3296, 3072)]
+
+
 SINGLE_POINT_OPTIONS = ("model", "num_seqs", "prompt_len", "output_len", "num_gpu_blocks")
 SPREAD_GRID = (0.5, 0.9)  # --mixed: the suite's points again at these spreads
 
@@ -364,6 +382,8 @@ def parse_args() -> argparse.Namespace:
                         help="a single point's lengths uniform in [L(1 - spread), L(1 + spread)]")
     parser.add_argument("--mixed", action="store_true",
                         help=f"the suite's points with mixed lengths (spreads {', '.join(map(str, SPREAD_GRID))})")
+    parser.add_argument("--grid", action="store_true",
+                        help=f"{len(GRID_SHAPES)} shapes at three budgets and two spreads, the suite and points off it")
     parser.add_argument("--device-ms-per-host-step", type=float,
                         help="a single point's host steps each cost the device lane this many ms (its weight reads), "
                              "instead of the cost model's constant slowdown (8B on the H100 host: 2.7-3.3)")
@@ -381,6 +401,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> None:
     args = parse_args()
     points = [replace(point, spread=spread) for spread in SPREAD_GRID for point in SUITE] if args.mixed else SUITE
+    points = grid_points() if args.grid else points
     if args.model is not None:
         points = [Point(*(getattr(args, name) for name in SINGLE_POINT_OPTIONS), spread=args.spread)]
     print(HEADER)
@@ -388,6 +409,9 @@ def main() -> None:
     for point in points:
         results.append(compare(point, args.device_ms_per_host_step))
         print(format_line(results[-1]), flush=True)
+    ratios = [result["auto_over_gpu"] for result in results]
+    print(f"auto/gpu over {len(ratios)} points: min {min(ratios):.3f}, mean {sum(ratios) / len(ratios):.4f}, "
+          f"{sum(ratio < 0.97 for ratio in ratios)} below 0.97")
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)

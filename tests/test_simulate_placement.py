@@ -3,7 +3,7 @@ must keep up with the engine (it once broke silently when async scheduling added
 request must be decoded once under both policies, with equal lengths and with mixed ones."""
 import pytest
 
-from benchmarks.simulate_placement import Point, compare
+from benchmarks.simulate_placement import GRID_SHAPES, SUITE, Point, compare, grid_points
 from benchmarks.workloads import mixed_lengths
 
 
@@ -40,3 +40,13 @@ def test_a_cost_per_host_step_slows_only_the_device_steps_beside_host_steps():
     free, costly = compare(point, device_ms_per_host_step=0.0), compare(point, device_ms_per_host_step=20.0)
     assert costly["gpu"] == free["gpu"]  # no host lane, nothing to slow
     assert costly["auto"]["seconds"] > free["auto"]["seconds"]
+
+
+def test_the_grid_holds_the_suite_and_each_shape_at_three_budgets_and_two_spreads():
+    points = grid_points()
+    assert points[: len(SUITE)] == list(SUITE) and len(points) == len(SUITE) + 6 * len(GRID_SHAPES) + 4
+    decode_heavy_8b = [p for p in points if (p.model, p.num_seqs, p.prompt_len, p.output_len) == ("qwen3-8b", 64,
+                                                                                                   1024, 1024)]
+    # 64 x 128 blocks of 16 tokens: halves, quarters and eighths, each at both spreads, and the suite's two budgets.
+    assert sorted({(p.num_gpu_blocks, p.spread) for p in decode_heavy_8b}) == sorted(
+        {(blocks, spread) for blocks in (4096, 2048, 1024) for spread in (0.0, 0.5)} | {(3296, 0.0)})
