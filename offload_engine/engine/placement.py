@@ -336,9 +336,8 @@ def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: in
     With `rotate` (no request waits to be admitted), a row the headroom keeps out moves up anyway when its next
     token fits and the row the next demotion would take (demotion_victims) holds at least as much KV and has
     SWAP_GAP_TOKENS fewer tokens left than it: the device pool then swaps that row for this one within a few
-    steps. The device lane keeps the rows furthest
-    from their end, which hold the least KV, so it runs more rows in the same blocks, and the rows advance
-    together instead of ending on a tail. In a decode-heavy batch the headroom otherwise blocked every
+    steps. The device lane keeps the rows furthest from their end, which hold the least KV, so it runs more rows
+    in the same blocks, and the rows advance together instead of ending on a tail. In a decode-heavy batch the headroom otherwise blocked every
     promotion while the device was full: the first wave's rows stayed on the device as their KV grew (8B shape,
     64 x (1024 + 1024) at 3,296 blocks: 50 rows falling to 26 over 10 s, in the replay). An idealized schedule
     that swaps this way (benchmarks/ideal_schedule.py) held ~35. While requests wait, device room is theirs
@@ -349,7 +348,8 @@ def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: in
     ahead = lambda seq, tokens: gpu.blocks_for(min(len(seq) + tokens, seq.budget))
     lacking = lambda tokens: sum(max(0, ahead(s, tokens) - len(s.block_table)) for s in running if s.location == GPU)
     room = gpu.num_free + extra_room - lacking(PROMOTION_HEADROOM_TOKENS)
-    tight_room = gpu.num_free + extra_room - lacking(1)  # for every device row's next token only
+    # Room for every device row's next token only: what a swap needs (a pass over the rows, so only if asked).
+    tight_room = gpu.num_free + extra_room - lacking(1) if rotate else 0
     candidates = [seq for seq in running
                   if seq.location == CPU and not seq.is_split and not seq.in_flight and not seq.in_prefill]
     promoted: set[int] = set()
