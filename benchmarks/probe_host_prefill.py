@@ -31,7 +31,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--isolated", type=int, default=0, metavar="N",
+                        help="instead: N one-prompt prefills on a kv_placement='gpu' engine, then on a 'cpu' one "
+                             "(no host lane running), and a torch profile of one more of each")
     args = parser.parse_args(argv)
+    if args.isolated:
+        isolated(args)
+        return
 
     llm = LLM(model_dir(args.model, args.model_cache), kv_placement="auto", num_gpu_blocks=args.num_gpu_blocks,
               cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_model_len=args.max_model_len)
@@ -52,7 +58,7 @@ def main(argv: list[str] | None = None) -> None:
         samples.append({"phase": phase[0], "t": time.perf_counter(), "tokens": tokens, "host_tokens": host_tokens,
                         "seconds": seconds, "waited_writes_s": waited[0],
                         "host_step_in_flight": engine.in_flight is not None,
-                        "device_us_per_token": (stats._device_prefill.value or 0) * 1e6,
+                        "device_step_baseline_s": stats._device_prefill.seconds(tokens),
                         "host_extra_us_per_token": (stats.host_prefill_seconds_per_token or 0) * 1e6,
                         "host_extra_samples": stats._host_prefill_extra.count})
         waited[0] = 0.0
@@ -80,7 +86,7 @@ def main(argv: list[str] | None = None) -> None:
         if s["host_tokens"]:
             print(f"{s['phase']:8} tokens {s['tokens']:5} host {s['host_tokens']:5} {1e3 * s['seconds']:7.1f} ms "
                   f"waited {1e3 * s['waited_writes_s']:6.1f} ms in-flight {int(s['host_step_in_flight'])} "
-                  f"device {s['device_us_per_token']:5.1f} us/tok -> extra {s['host_extra_us_per_token']:5.1f} "
+                  f"device-tier step {1e3 * (s['device_step_baseline_s'] or 0):6.1f} ms -> extra {s['host_extra_us_per_token']:5.1f} "
                   f"(n={s['host_extra_samples']})")
     device_only = [s for s in samples if not s["host_tokens"]]
     print(f"{len(device_only)} device-only prefill steps; runs:",
@@ -88,6 +94,42 @@ def main(argv: list[str] | None = None) -> None:
     if args.out:
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "samples": samples, "runs": runs}, f, indent=2)
+
+
+def isolated(args) -> None:
+    """Prefill steps of one prompt alone, device-tier then host-tier: the extra with nothing else running."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    found = {}
+    for placement in ("gpu", "cpu"):
+        llm = LLM(model_dir(args.model, args.model_cache), kv_placement=placement, num_gpu_blocks=args.num_gpu_blocks,
+                  cpu_kv_cache_gb=args.cpu_kv_cache_gb, max_model_len=args.max_model_len)
+        seconds = []
+        record = LaneStats.prefill_done
+        LaneStats.prefill_done = lambda stats, tokens, host_tokens, s: seconds.append(s)
+        vocab = min(llm.model_config.vocab_size, 10000)
+        one = SamplingParams(max_tokens=1, ignore_eos=True)
+        for i in range(args.isolated + 2):
+            llm.generate(random_prompts([args.prompt_len], vocab, seed=100 + i), one, use_tqdm=False)
+        cuda = torch.cuda.is_available()
+        with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * cuda) as prof:
+            llm.generate(random_prompts([args.prompt_len], vocab, seed=99), one, use_tqdm=False)
+            if cuda:
+                torch.cuda.synchronize()
+        LaneStats.prefill_done = record
+        llm.close()
+        steps = sorted(seconds[2:-1])
+        found[placement] = {"ms": [round(1e3 * s, 2) for s in seconds[2:-1]], "median_ms": 1e3 * steps[len(steps) // 2]}
+        print(f"== {placement}: one {args.prompt_len}-token prompt's prefill step: median "
+              f"{found[placement]['median_ms']:.1f} ms of {found[placement]['ms']}")
+        print(prof.key_averages().table(sort_by="cpu_time_total", row_limit=30, max_name_column_width=60))
+        if args.out:
+            prof.export_chrome_trace(args.out.replace(".json", f"_{placement}_trace.json"))
+    print(f"host-tier extra: {found['cpu']['median_ms'] - found['gpu']['median_ms']:.1f} ms a prompt")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"args": vars(args), "isolated": found}, f, indent=2)
 
 
 if __name__ == "__main__":
