@@ -1,10 +1,10 @@
 """Triton GPU kernels for the GPU KV tier (token-major `[num_blocks, block_size, Hkv, D]` caches), and the moves
-of KV between it and the host tier's blocks (gather_host_blocks, scatter_host_blocks).
+of KV between it and the host tier's blocks (gather_host_blocks, scatter_host_blocks, write_host_blocks_whole).
 
 Each function follows the shared attention contract in DESIGN.md ("Kernel contracts") and stays launchable
 inside a CUDA graph: grids and tile choices depend on shapes only, never on tensor values.
 """
-from .host_block_copies import gather_host_blocks, scatter_host_blocks
+from .host_block_copies import gather_host_blocks, scatter_host_blocks, write_host_blocks_whole
 from .merge_attn_states import merge_attn_states
 from .paged_decode import paged_decode_attention
 from .paged_prefill import paged_prefill_attention
@@ -16,4 +16,4 @@ from .store_kvcache import store_kvcache
 
 __all__ = ["store_kvcache", "paged_decode_attention", "paged_prefill_attention", "merge_attn_states", "rms_norm",
            "norm_rope", "KVStore", "sample_tokens", "silu_and_mul", "gather_host_blocks",
-           "scatter_host_blocks"]
+           "scatter_host_blocks", "write_host_blocks_whole"]

@@ -8,7 +8,13 @@ every layer, K and V.
 - gather_host_blocks: host -> device, a promotion's KV into its new slots;
 - scatter_host_blocks: device -> host, a demotion's KV into its new host blocks (rows past a sequence's last token
   are left as they are: nothing reads a host block past its sequence's length, and the host lane writes the next
-  tokens there).
+  tokens there);
+- write_host_blocks_whole: one layer's K and V of a prefill step -> whole host blocks of that layer (a host-tier
+  prompt's KV, engine/host_block_writes.py), padding rows zeroed. One launch a layer: the torch ops it replaced
+  (index_select, index_fill_, a transposing copy and index_copy_, for K and V, with their allocations and
+  record_stream) were ~14 calls a layer, most of the ~14 ms by which a 1,024-token host-tier prompt's prefill
+  outlasted a device-tier one's at the 0.6B shape, whose prefill step is launch-bound (16 ms, 3.3 of them on the
+  GPU; H100 host, 2026-11-24, benchmarks/probe_host_prefill.py --isolated).
 
 Why a kernel of its own, on few programs: the accesses cross PCIe, so each takes microseconds, and a copy that
 asks for every SM (torch's index_select, index_copy_) holds them all for the whole transfer. The device lane's
@@ -118,3 +124,54 @@ def _copy(host_stacked, token_slots, blocks, rows, slots, programs: int, to_host
             host_stacked.stride(1), host_stacked.stride(2), token_slots.stride(1),
             NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, HOST_BLOCK=host_block, BLOCK_HD=block_hd,
             TOKENS=TOKENS_PER_UNIT, TO_HOST=to_host, num_warps=_warps(block_hd))
+
+
+# Strides unspecialized too: start-up compiles it on stand-ins (AttentionLayer.compile_staged_prefill).
+@triton.jit(do_not_specialize=["num_units", "k_token_stride", "v_token_stride"])
+def _write_blocks_kernel(k, v, k_pool, v_pool, token_rows, targets, num_units, k_token_stride, v_token_stride,
+                         NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HOST_BLOCK: tl.constexpr,
+                         BLOCK_HD: tl.constexpr, TOKENS: tl.constexpr):
+    chunks = tl.cdiv(HOST_BLOCK, TOKENS)
+    cols = tl.arange(0, BLOCK_HD)
+    in_row = cols < NUM_HEADS * HEAD_DIM
+    host_cols = (cols // HEAD_DIM) * (HOST_BLOCK * HEAD_DIM) + cols % HEAD_DIM
+    for unit in range(tl.program_id(0), num_units, tl.num_programs(0)):
+        j, chunk = unit // chunks, unit % chunks  # whole block j of the step, rows [chunk * TOKENS, ...)
+        r = chunk * TOKENS + tl.arange(0, TOKENS)
+        valid = r < HOST_BLOCK
+        token = tl.load(token_rows + j * HOST_BLOCK + r, mask=valid, other=-1)
+        block = tl.load(targets + j)
+        mask = valid[:, None] & in_row[None, :]
+        loaded = mask & (token >= 0)[:, None]  # a padding row (-1) is written as zeros
+        offset = block * (NUM_HEADS * HOST_BLOCK * HEAD_DIM) + (r * HEAD_DIM)[:, None] + host_cols[None, :]
+        source = tl.maximum(token, 0)[:, None]
+        tl.store(k_pool + offset, tl.load(k + source * k_token_stride + cols[None, :], mask=loaded, other=0), mask=mask)
+        tl.store(v_pool + offset, tl.load(v + source * v_token_stride + cols[None, :], mask=loaded, other=0), mask=mask)
+
+
+def write_host_blocks_whole(k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                            token_rows: torch.Tensor, targets: torch.Tensor, programs: int = WRITE_PROGRAMS) -> None:
+    """k_pool[targets[j], :, r] = k[token_rows[j * B + r]] (zeros where that is -1), and the same for v, for every
+    row r < B of every whole block j, on the current stream. k, v: [T, Hkv, D], heads and dims contiguous (a token
+    stride of their own: views of a fused projection are fine); pools: one layer's [blocks, Hkv, B, D], contiguous."""
+    num_blocks, num_kv_heads, host_block, head_dim = targets.shape[0], *k_pool.shape[1:]
+    for name, t in (("k", k), ("v", v)):
+        if t.dim() != 3 or tuple(t.shape[1:]) != (num_kv_heads, head_dim) or t.stride(2) != 1 \
+                or t.stride(1) != head_dim:
+            raise ValueError(f"{name} must be [tokens, {num_kv_heads}, {head_dim}] with heads and dims contiguous, got "
+                             f"{tuple(t.shape)} strides {t.stride()}")
+    if v_pool.shape != k_pool.shape or not (k_pool.is_contiguous() and v_pool.is_contiguous()) \
+            or len({k.dtype, v.dtype, k_pool.dtype, v_pool.dtype}) != 1:
+        raise ValueError("k_pool and v_pool must be contiguous, of one shape, and of k's and v's dtype")
+    check_int_tensor("targets", targets, (num_blocks,), (torch.int64,))
+    check_int_tensor("token_rows", token_rows, (num_blocks * host_block,), (torch.int64,))
+    if num_blocks == 0:
+        return
+    tokens = min(TOKENS_PER_UNIT, next_power_of_2(host_block))
+    units = num_blocks * -(-host_block // tokens)
+    block_hd = next_power_of_2(num_kv_heads * head_dim)
+    with on_device(k):
+        _write_blocks_kernel[(max(1, min(programs, units)),)](
+            k, v, k_pool, v_pool, token_rows, targets, units, k.stride(0), v.stride(0),
+            NUM_HEADS=num_kv_heads, HEAD_DIM=head_dim, HOST_BLOCK=host_block, BLOCK_HD=block_hd, TOKENS=tokens,
+            num_warps=_warps(block_hd))

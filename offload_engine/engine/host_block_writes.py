@@ -10,9 +10,12 @@ benchmarks/results/nvidia-h100-80gb-hbm3/prefill_writes_b576_*.json). What is le
 counts (LaneStats.prefill_done).
 
 Where the device can address the pinned pool (HostKVPool.device_stacked), the prefill writes the pool itself,
-as demotion does (engine/kv_demotion.py): the layer lays its tokens out as head-major host blocks on the device
-and copies them across PCIe on the prefill-writes stream, beside the next layers. Nothing on the host takes
-part. Readers of those blocks wait for the step's event (ModelRunner._wait_direct_writes).
+as demotion does (engine/kv_demotion.py): one kernel a layer (kernels.write_host_blocks_whole) writes its tokens
+across PCIe into head-major host blocks, on the prefill-writes stream, beside the next layers. Nothing on the
+host takes part. Readers of those blocks wait for the step's event (ModelRunner._wait_direct_writes). The kernel
+replaced a layout on the device and an index_copy_ (~14 torch calls a layer): at the 0.6B shape, whose prefill is
+launch-bound, a 1,024-token host-tier prompt's step took ~14 ms longer than a device-tier one's (36 against 16 ms
+alone; H100 host, 2026-11-24, benchmarks/probe_host_prefill.py --isolated).
 
 Only blocks whose first token is in the step are written this way: the rest of such a block holds no KV yet, so
 it can be written whole, its unused rows zeroed. The tokens of a block an earlier step began (a prompt's chunk
@@ -23,13 +26,15 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from kernels.host_block_copies import write_host_blocks_whole
+
 
 @dataclass
 class HostBlockWrites:
     """A step's host blocks that the device writes whole: row r of block j is the step's token token_rows[j * block
     size + r], or a zeroed padding row."""
 
-    token_rows: torch.Tensor  # device int64 [blocks * block_size]: index of the step's token (k/v row) per row
+    token_rows: torch.Tensor  # device int64 [blocks * block_size]: the step's token (k/v row) per row, -1: padding
     pad_rows: torch.Tensor  # device int64: rows past the block's last token, zeroed
     targets: torch.Tensor  # device int64 [blocks]: host-pool block ids, in the order of token_rows
 
@@ -46,7 +51,7 @@ def plan_host_block_writes(host_slots: np.ndarray, block_size: int) -> tuple[tup
         return None, tokens
     direct = np.isin(blocks, whole)
     rows = np.searchsorted(whole, blocks[direct]) * block_size + slots[direct] % block_size
-    token_rows = np.full(whole.size * block_size, tokens[direct][0], dtype=np.int64)
+    token_rows = np.full(whole.size * block_size, -1, dtype=np.int64)
     token_rows[rows] = tokens[direct]
     written = np.zeros(token_rows.size, dtype=bool)
     written[rows] = True
@@ -56,22 +61,22 @@ def plan_host_block_writes(host_slots: np.ndarray, block_size: int) -> tuple[tup
 def write_host_blocks(k: torch.Tensor, v: torch.Tensor, writes: HostBlockWrites, k_pool: torch.Tensor,
                       v_pool: torch.Tensor, stream=None) -> None:
     """k/v [T, Hkv, D] of the step -> the whole blocks of `writes` in k_pool/v_pool [blocks, Hkv, block_size, D]
-    (the host pool as the device addresses it, or the host pool itself off CUDA). The layout happens on the
-    current stream; the copy into the pool on `stream` (CUDA), which waits for it."""
+    (the host pool as the device addresses it, or the host pool itself off CUDA). On CUDA one kernel a layer
+    (kernels.write_host_blocks_whole) on `stream`, which waits for the layer's stream first."""
+    if k.is_cuda:
+        current = torch.cuda.current_stream(k.device)
+        with torch.cuda.stream(stream or current):
+            if stream is not None:
+                stream.wait_stream(current)
+            write_host_blocks_whole(k, v, k_pool, v_pool, writes.token_rows, writes.targets)
+        if stream is not None:  # the allocator keeps them until the kernel has read them
+            for t in (k, v, writes.token_rows, writes.targets):
+                t.record_stream(stream)
+        return
     num_blocks, num_kv_heads, block_size, head_dim = writes.targets.numel(), *k_pool.shape[1:]
-    laid_out = []
-    for source in (k, v):
-        rows = source.index_select(0, writes.token_rows)
+    for source, pool in ((k, k_pool), (v, v_pool)):
+        rows = source.index_select(0, writes.token_rows.clamp(min=0))
         if writes.pad_rows.numel():
             rows.index_fill_(0, writes.pad_rows, 0)
-        laid_out.append(rows.view(num_blocks, block_size, num_kv_heads, head_dim).transpose(1, 2).contiguous())
-    if stream is None:
-        for pool, blocks in zip((k_pool, v_pool), laid_out):
-            pool.index_copy_(0, writes.targets, blocks)
-        return
-    stream.wait_stream(torch.cuda.current_stream(k.device))
-    with torch.cuda.stream(stream):
-        for pool, blocks in zip((k_pool, v_pool), laid_out):
-            pool.index_copy_(0, writes.targets, blocks)
-            blocks.record_stream(stream)  # the allocator keeps it until the copy has read it
-        writes.targets.record_stream(stream)
+        pool.index_copy_(0, writes.targets,
+                         rows.view(num_blocks, block_size, num_kv_heads, head_dim).transpose(1, 2).contiguous())

@@ -12,10 +12,11 @@
   KV between the tiers are not timed (the engine leaves them out).
 - The device lane's tokens per second, from its recent steps.
 - What a host-tier prompt's prefill costs beyond a device-tier one's, per prompt token: a prefill step with
-  host-tier rows, less what its tokens take in steps without (per token, measured too). Its host-tier rows write
-  their KV across PCIe and attend through a staging cache, and they are admitted a few at a time. At the 0.6B
-  shape that was ~18 us a token, ~36 ms a 2k-token prompt, against ~24 tokens each such row decoded on the host
-  before its promotion (64 x (2048 + 256) at 576 blocks, H100 host, 2026-11-23, benchmarks/NOTES.md).
+  host-tier rows, less what a step of as many tokens takes without them (DevicePrefillSteps). Its host-tier rows
+  write their KV across PCIe and attend through a staging cache, and they are admitted a few at a time. At the
+  0.6B shape that was ~18 us a token, ~36 ms a 2k-token prompt, against ~24 tokens each such row decoded on the
+  host before its promotion (64 x (2048 + 256) at 576 blocks, H100 host, 2026-11-23, benchmarks/NOTES.md).
+  placement.host_lane_pays trusts it from its placement.MIN_PREFILL_SAMPLES-th sample on.
 - What a move between the tiers (a promotion or a demotion) costs the device lane per token of KV moved: the
   engine thread's time starting its copies, plus how much longer the device step launched with it took than
   steps of its row count without (the step right after a promotion took 4.9 ms instead of 1.75 on the H100
@@ -60,6 +61,48 @@ class _Recent:
         return self._median
 
 
+class DevicePrefillSteps:
+    """What a prefill step of n prompt tokens takes without host-tier rows: fixed + per_token * n, a Theil-Sen line
+    (the median of the slopes between steps of unlike sizes, then the median intercept) over the last WINDOW steps.
+
+    Per token alone (the median of seconds / tokens, used until 2026-11-24) charged the fixed part of a step to its
+    tokens. At the 0.6B shape a step of 6,144 tokens took 53 ms and one of 1,024 took 17-82 (mostly the engine's
+    Python beside a host step in flight), so a 1,024-token host-tier prompt of 62 ms read 52 us a token beyond a
+    device-tier one's instead of ~24; at 8B, where steps are compute-bound, the line is near proportional (steps of
+    16,384 tokens 380-410 ms, one of 1,088 35 ms; H100 host, 2026-11-24, benchmarks/probe_host_prefill.py). Where
+    no two steps differ in size by UNLIKE, the line goes through the origin: per token, as before."""
+
+    UNLIKE = 1.25  # sizes this far apart give a slope
+
+    def __init__(self):
+        self._steps: deque[tuple[int, float]] = deque(maxlen=WINDOW)
+        self._line: tuple[float, float] | None = None  # (fixed, per_token), cached until the next add
+        self.count = 0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self._steps.append((tokens, seconds))
+        self._line = None
+        self.count += 1
+
+    def seconds(self, tokens: int) -> float | None:
+        """A step of `tokens` tokens without host-tier rows, as the steps so far put it (None: none measured)."""
+        if not self._steps:
+            return None
+        if self._line is None:
+            self._line = self._fit()
+        fixed, per_token = self._line
+        return fixed + per_token * tokens
+
+    def _fit(self) -> tuple[float, float]:
+        steps = list(self._steps)
+        slopes = [(s2 - s1) / (t2 - t1) for i, (t1, s1) in enumerate(steps) for t2, s2 in steps[i + 1:]
+                  if max(t1, t2) >= self.UNLIKE * min(t1, t2)]
+        if not slopes:
+            return 0.0, statistics.median(s / t for t, s in steps)
+        per_token = max(0.0, statistics.median(slopes))
+        return max(0.0, statistics.median(s - per_token * t for t, s in steps)), per_token
+
+
 class LaneStats:
     def __init__(self, kv_bytes_per_token: int | None = None, link_seconds_per_byte: float | None = None):
         self.kv_bytes_per_token = kv_bytes_per_token  # of the model: host step cost is per byte of KV read
@@ -69,7 +112,7 @@ class LaneStats:
         self._device_steps: dict[tuple[int, bool], _Recent] = {}  # (rows, host step in flight) -> seconds
         self.device_tok_s = _Recent()
         self._move_per_token = _Recent()  # device-lane seconds of a move per token it moved
-        self._device_prefill = _Recent()  # seconds per prompt token of prefill steps without host-tier rows
+        self._device_prefill = DevicePrefillSteps()  # prefill steps without host-tier rows
         self._host_prefill_extra = _Recent()  # seconds per host-tier prompt token beyond that
         self.device_prefill_elsewhere = False  # prefill/decode separation: device-tier prompts prefill elsewhere
         self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
@@ -100,9 +143,9 @@ class LaneStats:
         if tokens <= 0:
             return
         if not host_tokens:
-            self._device_prefill.add(seconds / tokens)
-        elif self._device_prefill.value is not None:
-            self._host_prefill_extra.add(max(0.0, seconds - tokens * self._device_prefill.value) / host_tokens)
+            self._device_prefill.add(tokens, seconds)
+        elif self._device_prefill.count:
+            self._host_prefill_extra.add(max(0.0, seconds - self._device_prefill.seconds(tokens)) / host_tokens)
 
     def record_check(self, kind: str, pays: bool) -> None:
         self.checks[(kind, pays)] += 1
@@ -138,6 +181,11 @@ class LaneStats:
             return 0.0
         return self._host_prefill_extra.value
 
+    @property
+    def host_prefills_measured(self) -> int:
+        """Samples behind host_prefill_seconds_per_token (all of them, where there is nothing to measure)."""
+        return 1 << 30 if self.device_prefill_elsewhere else self._host_prefill_extra.count
+
     def host_step_seconds(self, kv_bytes: int) -> float | None:
         """Predicted host step time for rows holding kv_bytes of KV, or None before a host step was measured."""
         per_byte = self.host_per_byte
@@ -165,4 +213,5 @@ class LaneStats:
                 "device_tok_s": self.device_tok_s.value, "move_us_per_token": self.move_seconds_per_token * 1e6,
                 "moves_measured": self._move_per_token.count,
                 "host_prefill_extra_us_per_token": (self.host_prefill_seconds_per_token or 0.0) * 1e6,
+                "host_prefills_measured": self._host_prefill_extra.count,
                 "checks": {f"{kind}_{'pays' if pays else 'refused'}": n for (kind, pays), n in self.checks.items()}}

@@ -216,6 +216,13 @@ def _checked(kind: str, pays: bool, stats: LaneStats | None) -> bool:
     return pays
 
 
+# Host-tier prefills measured before the admission check trusts their median (LaneStats.prefill_done). One
+# sample decided whole runs: a single 1,024-token prompt's step (62 ms, where later ones took 40-51 and device-tier
+# steps of that size 17-82) read 52 us a token, and the check refused 2,700 admissions (0.6B shape,
+# 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24, benchmarks/probe_host_prefill.py).
+MIN_PREFILL_SAMPLES = 3
+
+
 def host_lane_pays(seq: Sequence, running: Iterable[Sequence], blocks: BlockManager, stats: LaneStats | None,
                    joining: Iterable[Sequence] = ()) -> bool:
     """Whether seq as one more host-lane row saves the device lane more time than it costs, over the time it would
@@ -242,10 +249,13 @@ def host_lane_pays(seq: Sequence, running: Iterable[Sequence], blocks: BlockMana
     if not stats.device_tok_s.value:
         return not device
     # Each new host row's prefill costs the device lane more than a device row's (LaneStats.prefill_done). Until
-    # that is measured, against a device-tier prefill measured first, one host-tier prompt prefills at a time.
+    # that is measured (against device-tier prefills measured first), one host-tier prompt prefills at a time and
+    # only its stay is checked.
     per_token = stats.host_prefill_seconds_per_token
-    if per_token is None:
-        return stats.device_prefill_measured and not any(s.in_prefill for s in host)
+    if stats.host_prefills_measured < MIN_PREFILL_SAMPLES:
+        if not stats.device_prefill_measured or any(s.in_prefill for s in host):
+            return False
+        per_token = 0.0
     prefill = lambda rows: per_token * sum(s.num_uncomputed_tokens for s in rows)
     if not host:
         rows = [seq, *(s for s in joining if s is not seq)]

@@ -220,7 +220,7 @@ class Attention(nn.Module):
         staging cache compile at start-up. Its block size is the host tier's, a compile-time constant of the Triton
         kernels, so they compiled in the first host-tier prefill: 1.4 s of an 8B run's first such step, 0.88x gpu
         where the next budget's run, compiled by then, reached 0.97x (H100 host, 2026-11-22,
-        benchmarks/profile_timeline.py)."""
+        benchmarks/profile_timeline.py). The whole-block host writes' kernel too, on a stand-in pool."""
         _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
         device, dtype, tokens = self.k_cache.device, self.k_cache.dtype, 2
         q = torch.randn(tokens, self.num_heads, head_dim, device=device, dtype=dtype)
@@ -231,6 +231,12 @@ class Attention(nn.Module):
         out, lse = self.backend.paged_prefill_attention(q, *caches, as_int32([[0, 1]]), as_int32([0, tokens]),
                                                         as_int32([tokens]), self.scale, tokens)
         self.backend.merge_attn_states(out, lse, out, lse)
+        if self.k_cache_mapped is not None and k.is_cuda:  # the whole-block writes (engine/host_block_writes.py)
+            from kernels.host_block_copies import write_host_blocks_whole
+
+            pools = [torch.empty(1, num_kv_heads, block_size, head_dim, device=device, dtype=dtype) for _ in range(2)]
+            rows = torch.tensor([0, 1] + [-1] * (block_size - 2), device=device)
+            write_host_blocks_whole(k, v, *pools, rows, torch.zeros(1, dtype=torch.int64, device=device))
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

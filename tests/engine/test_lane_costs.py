@@ -5,7 +5,7 @@ from offload_engine import SamplingParams
 from offload_engine.engine.block_manager import BlockManager
 from offload_engine.engine.host_stay import host_gain_seconds
 from offload_engine.engine.lane_stats import WINDOW, LaneStats
-from offload_engine.engine.placement import HOST_PROBE_STEPS, host_lane_pays, host_step_pays
+from offload_engine.engine.placement import HOST_PROBE_STEPS, MIN_PREFILL_SAMPLES, host_lane_pays, host_step_pays
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 KV_BYTES = 1000  # per token
@@ -77,7 +77,8 @@ def _lanes(device_rows: int, device_step: float, fixed: float, per_byte: float, 
     host-tier prefill that took prefill_per_token a token more than a device-tier one."""
     stats = _measured(fixed, per_byte)
     stats.prefill_done(1000, 0, 0.01)
-    stats.prefill_done(1000, 1000, 0.01 + 1000 * prefill_per_token)
+    for _ in range(MIN_PREFILL_SAMPLES):
+        stats.prefill_done(1000, 1000, 0.01 + 1000 * prefill_per_token)
     for _ in range(40):
         stats.device_step_done(device_rows, device_step, host_busy=False)
         stats.device_step_done(device_rows, busy_step or device_step, host_busy=True)

@@ -77,3 +77,46 @@ def test_start_up_compiles_and_launches_both_directions_and_moves_nothing(monkey
     for copy in (gather_host_blocks, scatter_host_blocks):
         index = torch.arange(3, dtype=torch.int64, device=token_slots.device)
         copy(host, token_slots, index[:1], index, index + 5)
+
+
+@pytest.mark.parametrize("dtype", (torch.bfloat16, torch.float16, torch.float32))
+@pytest.mark.parametrize("num_kv_heads,host_block,head_dim", [(2, 4, 64), (3, 6, 24), (1, 16, 128)])
+def test_whole_block_writes_put_each_token_in_its_row_zero_the_padding_and_touch_nothing_else(
+        dtype, num_kv_heads, host_block, head_dim):
+    gen = torch.Generator().manual_seed(5)
+    tokens, pool_blocks, num_heads = 3 * host_block + 2, 9, 2 * num_kv_heads
+    # K and V as a layer has them: v a view of the fused projection (a token stride of its own), k a tensor.
+    qkv = torch.randn((tokens, (num_heads + 2 * num_kv_heads) * head_dim), generator=gen).to(dtype)
+    v = qkv[:, (num_heads + num_kv_heads) * head_dim:].view(tokens, num_kv_heads, head_dim)
+    k = torch.randn((tokens, num_kv_heads, head_dim), generator=gen).to(dtype)
+    pools = [torch.randn((pool_blocks, num_kv_heads, host_block, head_dim), generator=gen).to(dtype) for _ in "kv"]
+    # Three whole blocks in scattered pool blocks: shuffled tokens, the last block padded after 2 rows.
+    targets = torch.randperm(pool_blocks, generator=gen)[:3]
+    token_rows = torch.cat([torch.randperm(tokens, generator=gen)[:2 * host_block + 2],
+                            torch.full((host_block - 2,), -1)])
+    want = [p.clone() for p in pools]
+    for j, block in enumerate(targets.tolist()):
+        for r in range(host_block):
+            token = token_rows[j * host_block + r].item()
+            for pool, source in zip(want, (k, v)):
+                pool[block, :, r] = source[token] if token >= 0 else 0
+
+    k, v, *pools, token_rows, targets = on_test_device(k, v, *pools, token_rows, targets)
+    host_block_copies.write_host_blocks_whole(k, v, *pools, token_rows, targets, programs=2)
+    for got, expected in zip(pools, want):
+        assert torch.equal(got.cpu(), expected)
+
+
+def test_whole_block_writes_of_no_blocks_are_a_no_op_and_bad_shapes_are_refused():
+    k, v = torch.randn(8, 2, 16), torch.randn(8, 2, 16)
+    pools = [torch.randn(4, 2, 8, 16) for _ in "kv"]
+    before = [p.clone() for p in pools]
+    empty = torch.zeros(0, dtype=torch.int64)
+    host_block_copies.write_host_blocks_whole(k, v, *pools, empty, empty)
+    assert all(torch.equal(p, b) for p, b in zip(pools, before))
+    with pytest.raises(ValueError, match="v must be"):
+        host_block_copies.write_host_blocks_whole(k, v.transpose(1, 2), *pools, empty, empty)
+    with pytest.raises(ValueError, match="token_rows must be"):
+        host_block_copies.write_host_blocks_whole(k, v, *pools, empty, torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(ValueError, match="dtype"):
+        host_block_copies.write_host_blocks_whole(k, v.half(), *pools, empty, empty)
