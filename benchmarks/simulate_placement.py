@@ -91,6 +91,9 @@ class CostModel:
 # Host-tier prefill (late 2026-11-23, with the device writing host blocks itself): 0.6B, 16 host-tier prompts of
 # 2,048 tokens added 0.58 s of prefill to gpu's 0.53 at 576 blocks, ~18 us a token, and the lane's slowdown was
 # 1.05 (1.21 in the suite run before); 8B scaled by KV bytes per token (not measured).
+# Host-tier prefill re-measured 2026-11-24 (sixteenth session), after its writes became one kernel a layer
+# (kernels.write_host_blocks_whole): the engine's own estimate read 0-2.4 us a token at 0.6B and 0.5-1.3 at 8B over
+# nine runs (results/nvidia-h100-80gb-hbm3/prefill_kernel_2026-11-24/ab_summary.txt); 18 and 23 before.
 # 8B recalibrated to gpu's decode-heavy run of that evening (2,078 steps of 31.5 rows, 9.5 ms each; 108k prompt
 # tokens, recomputes included, in 2.52 s): dev_fixed 7.5 -> 5.6 ms, prefill 21k -> 43k tok/s. The replay then gives
 # gpu 2,952 tok/s (measured 2,940) and auto 2,588 in 2,616 steps of 23.9 rows (measured 2,477 in 2,667 of 23.5).
@@ -103,10 +106,10 @@ class CostModel:
 COST_MODELS = {
     "qwen3-8b": CostModel(dev_fixed=0.0056, dev_row=0.00005, kv_bw=3.0e12, busy=1.035, host_fixed=0.038,
                           host_per_gb=0.016, prefill_tok_s=43000, promote_s_per_tok=0.9e-6,
-                          demote_s_per_tok=0.9e-6, kv_bytes=147456, host_prefill_s_per_tok=23e-6),
+                          demote_s_per_tok=0.9e-6, kv_bytes=147456, host_prefill_s_per_tok=1e-6),
     "qwen3-0.6b": CostModel(dev_fixed=0.00145, dev_row=0.00001, kv_bw=4.0e12, busy=1.0, host_fixed=0.007,
                             host_per_gb=0.0103, prefill_tok_s=150000, promote_s_per_tok=0.7e-6,
-                            demote_s_per_tok=0.7e-6, kv_bytes=114688, host_prefill_s_per_tok=18e-6),
+                            demote_s_per_tok=0.7e-6, kv_bytes=114688, host_prefill_s_per_tok=2e-6),
 }
 HOST_POOL_BLOCKS = {"qwen3-8b": 6346, "qwen3-0.6b": 40000}
 
