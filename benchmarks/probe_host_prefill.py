@@ -86,8 +86,8 @@ def main(argv: list[str] | None = None) -> None:
         if s["host_tokens"]:
             print(f"{s['phase']:8} tokens {s['tokens']:5} host {s['host_tokens']:5} {1e3 * s['seconds']:7.1f} ms "
                   f"waited {1e3 * s['waited_writes_s']:6.1f} ms in-flight {int(s['host_step_in_flight'])} "
-                  f"device-tier step {1e3 * (s['device_step_baseline_s'] or 0):6.1f} ms -> extra {s['host_extra_us_per_token']:5.1f} "
-                  f"(n={s['host_extra_samples']})")
+                  f"device-tier step {1e3 * (s['device_step_baseline_s'] or 0):6.1f} ms "
+                  f"-> extra {s['host_extra_us_per_token']:5.1f} (n={s['host_extra_samples']})")
     device_only = [s for s in samples if not s["host_tokens"]]
     print(f"{len(device_only)} device-only prefill steps; runs:",
           [(round(r["tok_s"]), r["lane_stats"]["checks"]) for r in runs])
