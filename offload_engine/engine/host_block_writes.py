@@ -35,14 +35,13 @@ class HostBlockWrites:
     size + r], or a zeroed padding row."""
 
     token_rows: torch.Tensor  # device int64 [blocks * block_size]: the step's token (k/v row) per row, -1: padding
-    pad_rows: torch.Tensor  # device int64: rows past the block's last token, zeroed
     targets: torch.Tensor  # device int64 [blocks]: host-pool block ids, in the order of token_rows
 
 
 def plan_host_block_writes(host_slots: np.ndarray, block_size: int) -> tuple[tuple | None, np.ndarray]:
-    """host_slots: the host-pool slot of each token of the step (-1: not host-tier). -> ((token_rows, pad_rows,
-    targets) as host arrays, or None where no block is written whole; the indices of the host-tier tokens left
-    for the executor's path)."""
+    """host_slots: the host-pool slot of each token of the step (-1: not host-tier). -> ((token_rows, targets) as
+    host arrays, or None where no block is written whole; the indices of the host-tier tokens left for the
+    executor's path)."""
     tokens = np.flatnonzero(host_slots >= 0)
     slots = host_slots[tokens]
     blocks = slots // block_size
@@ -53,9 +52,7 @@ def plan_host_block_writes(host_slots: np.ndarray, block_size: int) -> tuple[tup
     rows = np.searchsorted(whole, blocks[direct]) * block_size + slots[direct] % block_size
     token_rows = np.full(whole.size * block_size, -1, dtype=np.int64)
     token_rows[rows] = tokens[direct]
-    written = np.zeros(token_rows.size, dtype=bool)
-    written[rows] = True
-    return (token_rows, np.flatnonzero(~written), whole.astype(np.int64)), tokens[~direct]
+    return (token_rows, whole.astype(np.int64)), tokens[~direct]
 
 
 def write_host_blocks(k: torch.Tensor, v: torch.Tensor, writes: HostBlockWrites, k_pool: torch.Tensor,
@@ -76,7 +73,6 @@ def write_host_blocks(k: torch.Tensor, v: torch.Tensor, writes: HostBlockWrites,
     num_blocks, num_kv_heads, block_size, head_dim = writes.targets.numel(), *k_pool.shape[1:]
     for source, pool in ((k, k_pool), (v, v_pool)):
         rows = source.index_select(0, writes.token_rows.clamp(min=0))
-        if writes.pad_rows.numel():
-            rows.index_fill_(0, writes.pad_rows, 0)
+        rows[writes.token_rows < 0] = 0  # padding (off CUDA: a mask costs no sync)
         pool.index_copy_(0, writes.targets,
                          rows.view(num_blocks, block_size, num_kv_heads, head_dim).transpose(1, 2).contiguous())

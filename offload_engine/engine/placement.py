@@ -347,12 +347,13 @@ def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: in
     token fits and the row the next demotion would take (demotion_victims) holds at least as much KV and has
     SWAP_GAP_TOKENS fewer tokens left than it: the device pool then swaps that row for this one within a few
     steps. The device lane keeps the rows furthest from their end, which hold the least KV, so it runs more rows
-    in the same blocks, and the rows advance together instead of ending on a tail. In a decode-heavy batch the headroom otherwise blocked every
-    promotion while the device was full: the first wave's rows stayed on the device as their KV grew (8B shape,
-    64 x (1024 + 1024) at 3,296 blocks: 50 rows falling to 26 over 10 s, in the replay). An idealized schedule
-    that swaps this way (benchmarks/ideal_schedule.py) held ~35. While requests wait, device room is theirs
-    first (choose_tier), and swapping host rows in ahead of them left a batch of 128 a tail of its last
-    admissions (benchmarks/simulate_placement.py, NOTES.md, 2026-11-24, fifteenth session)."""
+    in the same blocks, and the rows advance together instead of ending on a tail. In a decode-heavy batch the
+    headroom otherwise blocked every promotion while the device was full: the first wave's rows stayed on the
+    device as their KV grew (8B shape, 64 x (1024 + 1024) at 3,296 blocks: 50 rows falling to 26 over 10 s, in
+    the replay). An idealized schedule that swaps this way (benchmarks/ideal_schedule.py) held ~35. While
+    requests wait, device room is theirs first (choose_tier), and swapping host rows in ahead of them left a batch
+    of 128 a tail of its last admissions (benchmarks/simulate_placement.py, NOTES.md, 2026-11-24, fifteenth
+    session)."""
     gpu = blocks.pool(GPU)
     running = list(running)
     ahead = lambda seq, tokens: gpu.blocks_for(min(len(seq) + tokens, seq.budget))
