@@ -59,11 +59,12 @@ class CostModel:
     busy: float  # device step time while a host step is in flight over while the host lane is idle
     host_fixed: float  # seconds of a host-lane step outside its CPU attention kernels...
     host_per_gb: float  # ...plus this per GB of KV the kernels read
-    prefill_tok_s: float  # prompt tokens per second of a prefill step
+    prefill_tok_s: float  # prompt tokens per second of a prefill step...
     promote_s_per_tok: float  # device-lane seconds a promotion costs per token of context
     demote_s_per_tok: float  # the same for a demotion
     kv_bytes: int  # KV bytes per token
     host_prefill_s_per_tok: float = 0.0  # what a host-tier prompt token's prefill takes beyond a device-tier one's
+    prefill_fixed_s: float = 0.0  # ...but no less than this a step (its eager launches: the engine thread's time)
     link_bytes_per_s: float = 50e9  # the pinned copy ModelRunner times at start-up (LaneStats' move-cost seed)
     # If set, a host step costs the device lane this many seconds whatever its length (its rows' linear layers
     # read the weights again), spread over the device steps it overlaps, instead of the constant factor `busy`.
@@ -97,6 +98,11 @@ class CostModel:
 # 8B recalibrated to gpu's decode-heavy run of that evening (2,078 steps of 31.5 rows, 9.5 ms each; 108k prompt
 # tokens, recomputes included, in 2.52 s): dev_fixed 7.5 -> 5.6 ms, prefill 21k -> 43k tok/s. The replay then gives
 # gpu 2,952 tok/s (measured 2,940) and auto 2,588 in 2,616 steps of 23.9 rows (measured 2,477 in 2,667 of 23.5).
+# 0.6B prefill re-measured 2026-11-24 (seventeenth session, benchmarks/probe_prefill_steps.py, gpu engines at 64 x
+# (2048 + 256), 576 blocks): 2,048-token steps ~30 ms, 8,192-token ~37, 16,384-token ~75 (the suite at 2,304 blocks).
+# A step is the engine thread's eager launches up to ~6k tokens and the GPU's arithmetic beyond: max(29 ms, tokens /
+# 218k a second) fits all three, where 150k tok/s alone made small steps cheap and left unseen what auto paid at
+# 1/16 for prefill steps of one or three rows (35 steps where gpu took 19; benchmarks/NOTES.md, seventeenth session).
 # Moves re-scaled 2026-11-24 (seventh session): promotions read the host pool on 16 programs beside the device lane
 # since f802db9, demotions write it on 8 since 8452c86, and the device lane's extra time per move fell with them
 # (a decode-heavy 8B demotion 4.68 -> 1.74 ms; a 632 MB promotion's step beside it 22-23 -> 5.7-6.1 ms against 5.4
@@ -108,8 +114,9 @@ COST_MODELS = {
                           host_per_gb=0.016, prefill_tok_s=43000, promote_s_per_tok=0.9e-6,
                           demote_s_per_tok=0.9e-6, kv_bytes=147456, host_prefill_s_per_tok=1e-6),
     "qwen3-0.6b": CostModel(dev_fixed=0.00145, dev_row=0.00001, kv_bw=4.0e12, busy=1.0, host_fixed=0.007,
-                            host_per_gb=0.0103, prefill_tok_s=150000, promote_s_per_tok=0.7e-6,
-                            demote_s_per_tok=0.7e-6, kv_bytes=114688, host_prefill_s_per_tok=2e-6),
+                            host_per_gb=0.0103, prefill_tok_s=218000, promote_s_per_tok=0.7e-6,
+                            demote_s_per_tok=0.7e-6, kv_bytes=114688, host_prefill_s_per_tok=2e-6,
+                            prefill_fixed_s=0.029),
 }
 HOST_POOL_BLOCKS = {"qwen3-8b": 6346, "qwen3-0.6b": 40000}
 
@@ -240,7 +247,8 @@ class FakeRunner:
     def run(self, batch: list[Sequence], is_prefill: bool, lane: str = "device"):
         if is_prefill:
             host = sum(seq.num_scheduled_tokens for seq in batch if seq.location == BlockLocation.CPU)
-            self.clock.now = self._gpu(sum(seq.num_scheduled_tokens for seq in batch) / self.cost.prefill_tok_s
+            tokens = sum(seq.num_scheduled_tokens for seq in batch)
+            self.clock.now = self._gpu(max(self.cost.prefill_fixed_s, tokens / self.cost.prefill_tok_s)
                                        + host * self.cost.host_prefill_s_per_tok)
             return [1] * len(batch)
         host_busy = self.engine.in_flight is not None
