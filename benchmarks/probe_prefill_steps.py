@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
         prompts = random_prompts([args.prompt_len] * args.num_seqs, 10000, seed=1)
         result = measure(directory, prompts, [args.output_len] * args.num_seqs, kv_placement=placement,
                          num_gpu_blocks=args.num_gpu_blocks)
-        measured = [s for s in steps if "total_s" in s][-(len(steps)):]
+        measured = [s for s in steps if "total_s" in s]  # the warm-up's steps too
         summary = {k: round(sum(s[k] for s in measured), 4) for k in ("pre_s", "resolve_s", "run_s", "total_s")}
         host = [s for s in measured if s["host_tokens"]]
         print(f"== {placement}: {result['output_tok_per_s']:.0f} tok/s, prefill {result['prefill_seconds']:.3f} s, "
