@@ -1,9 +1,11 @@
 """benchmarks/simulate_placement.py drives the real LLMEngine._step, Scheduler and placement with fake lanes: it
 must keep up with the engine (it once broke silently when async scheduling added state), and every token of every
 request must be decoded once under both policies, with equal lengths and with mixed ones."""
+from dataclasses import replace
+
 import pytest
 
-from benchmarks.simulate_placement import GRID_SHAPES, SUITE, Point, compare, grid_points
+from benchmarks.simulate_placement import COST_MODELS, GRID_SHAPES, SUITE, Point, compare, grid_points, simulate
 from benchmarks.workloads import mixed_lengths
 
 
@@ -50,3 +52,14 @@ def test_the_grid_holds_the_suite_and_each_shape_at_three_budgets_and_two_spread
     # 64 x 128 blocks of 16 tokens: halves, quarters and eighths, each at both spreads, and the suite's two budgets.
     assert sorted({(p.num_gpu_blocks, p.spread) for p in decode_heavy_8b}) == sorted(
         {(blocks, spread) for blocks in (4096, 2048, 1024) for spread in (0.0, 0.5)} | {(3296, 0.0)})
+
+
+def test_a_prefill_step_takes_its_tokens_time_but_no_less_than_the_fixed_floor():
+    # One prefill step of 2 x 64 tokens (the max_num_batched_tokens budget holds both), at 1,000 tokens a second:
+    # 0.128 s of arithmetic. A floor below it changes nothing; one above it replaces it (not adds to it).
+    point = Point("qwen3-0.6b", num_seqs=2, prompt_len=64, output_len=8, num_gpu_blocks=64)
+    slow = replace(COST_MODELS[point.model], prefill_tok_s=1000.0)
+    seconds = {fixed: simulate("gpu", point, replace(slow, prefill_fixed_s=fixed))["seconds"]
+               for fixed in (0.0, 0.1, 1.0)}
+    assert seconds[0.1] == seconds[0.0]
+    assert seconds[1.0] == pytest.approx(seconds[0.0] + 1.0 - 0.128, abs=0.011)
