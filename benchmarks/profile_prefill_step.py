@@ -25,10 +25,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--rows", default="1,2,4,8")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
+    parser.add_argument("--eager-prefill", action="store_true", help="prefill_graph_tokens=0: eager prefill steps")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
 
-    llm = LLM(model_dir(args.model, args.model_cache), kv_placement="gpu", num_gpu_blocks=2048)
+    llm = LLM(model_dir(args.model, args.model_cache), kv_placement="gpu", num_gpu_blocks=2048,
+              prefill_graph_tokens=0 if args.eager_prefill else 8192)
     engine, runner = llm.engine, llm.engine.runner
     parts: dict[str, float] = {}
     build, forward, sample = runner.inputs.prefill, runner._forward, model_runner.sample
@@ -73,6 +75,11 @@ def main(argv: list[str] | None = None) -> None:
         engine.abort()
         return found
 
+    graphs = runner.prefill_graphs
+    if graphs is not None:
+        print(f"prefill graphs: buckets {graphs.buckets}, eager launch {1e3 * graphs.launch_seconds:.1f} ms, replay "
+              f"(no attention) {({b: round(1e3 * t, 1) for b, t in graphs.replay_seconds.items()})} ms, pays "
+              f"{[b for b, p in graphs.pays.items() if p]}; start-up {runner.startup_seconds.get('prefill_graphs')}")
     for rows in (1, 4):  # compile and tune the shapes first
         one_step(rows)
     results = []
@@ -81,6 +88,17 @@ def main(argv: list[str] | None = None) -> None:
         median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         results.append(median)
         print({k: round(v, 2) for k, v in median.items()}, flush=True)
+
+    import cProfile
+    import pstats
+
+    profiler = cProfile.Profile()
+    profiler.enable()
+    one_step(1)
+    profiler.disable()
+    print("== 1 row: Python functions by own time (cProfile)")
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(30)
+    pstats.Stats(profiler).sort_stats("cumtime").print_stats(45)
 
     profiles = {}
     for rows in (1, 4):

@@ -11,7 +11,13 @@ Flash-attention tiling: one program per (BLOCK_M queries, query head, sequence),
 BLOCK_N-key tiles gathered through the block table. Key tiles wholly below the tile's causal diagonal run
 without the causal mask; tiles past the last query's position are never visited. Prefill is compute-bound,
 so query heads of one kv head are separate programs and share K/V through L2 (adjacent program ids).
+
+With `tiles` (int32 [G, 2]: each query tile's (sequence, tile index), -1 past the last; `prefill_tiles` builds
+it) the grid is (G, Hq) instead and every program reads its tile there. The grid then depends on no Python value
+of the step, so a CUDA graph can hold the kernel and replay it on any batch whose tiles fit G
+(engine/prefill_graphs.py).
 """
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -60,17 +66,23 @@ def _attend_key_tiles(
 # The table's width changes from step to step (the batch's longest row): unspecialized, it compiles once.
 @triton.jit(do_not_specialize=["stride_table_b"])
 def _prefill_kernel(
-    q_ptr, k_ptr, v_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, out_ptr, lse_ptr, qk_scale,
+    q_ptr, k_ptr, v_ptr, block_tables_ptr, cu_seqlens_ptr, context_lens_ptr, tiles_ptr, out_ptr, lse_ptr, qk_scale,
     stride_q_t, stride_q_h, stride_k_block, stride_k_tok, stride_k_head,
     stride_v_block, stride_v_tok, stride_v_head, stride_table_b,
     stride_out_t, stride_out_h, stride_lse_t, stride_lse_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TILED: tl.constexpr,
 ):
-    # Reversed: the longest causal rows (last query tiles) start first, so the short ones fill the tail.
-    m_block = tl.num_programs(0) - 1 - tl.program_id(0)
     head = tl.program_id(1)
-    seq = tl.program_id(2).to(tl.int64)
+    if TILED:
+        seq = tl.load(tiles_ptr + 2 * tl.program_id(0)).to(tl.int64)
+        if seq < 0:  # past the step's last tile
+            return
+        m_block = tl.load(tiles_ptr + 2 * tl.program_id(0) + 1)
+    else:
+        # Reversed: the longest causal rows (last query tiles) start first, so the short ones fill the tail.
+        m_block = tl.num_programs(0) - 1 - tl.program_id(0)
+        seq = tl.program_id(2).to(tl.int64)
     q_start = tl.load(cu_seqlens_ptr + seq)
     q_len = tl.load(cu_seqlens_ptr + seq + 1) - q_start
     if m_block * BLOCK_M >= q_len:  # the grid covers max_seqlen_q; shorter chunks end early
@@ -112,11 +124,11 @@ def _prefill_kernel(
     tl.store(lse_ptr + tokens * stride_lse_t + head * stride_lse_h, lse, mask=row_mask)
 
 
-def _tile_config(q: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
+def _tile_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
     """(BLOCK_M, BLOCK_N, num_warps, num_stages) for H100-class GPUs; small tiles under the interpreter."""
-    if q.device.type != "cuda":
+    if device.type != "cuda":
         return 16, 16, 4, 1  # tests then cross query tiles, key tiles and pages with tiny shapes
-    if q.dtype == torch.float32:  # ieee fp32 dots run on the FMA units and need twice the registers
+    if dtype == torch.float32:  # ieee fp32 dots run on the FMA units and need twice the registers
         return (64, 32, 4, 2) if head_dim <= 128 else (32, 16, 4, 2)
     if head_dim <= 64:
         return 128, 64, 4, 3
@@ -125,8 +137,31 @@ def _tile_config(q: torch.Tensor, head_dim: int) -> tuple[int, int, int, int]:
     return 64, 32, 4, 2
 
 
-def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q):
-    """Causal prefill attention over paged KV; returns (out [T, Hq, D] in q's dtype, lse float32 [T, Hq])."""
+def query_tile_rows(device: torch.device, dtype: torch.dtype, head_dim: int) -> int:
+    """Queries per program (BLOCK_M) for q of this device, dtype and head size: what `prefill_tiles` cuts by."""
+    return _tile_config(device, dtype, head_dim)[0]
+
+
+def prefill_tiles(query_lens, tile_rows: int, capacity: int) -> np.ndarray:
+    """The `tiles` of a step whose rows have query_lens: int32 [capacity, 2], each query tile's (sequence, tile
+    index) with the longest causal tiles first (so the short ones fill the tail, as the untiled grid orders
+    them), then rows of -1."""
+    counts = -(-np.asarray(query_lens, dtype=np.int64) // tile_rows)
+    total = int(counts.sum())
+    if total > capacity:
+        raise ValueError(f"{total} query tiles do not fit a tile map of {capacity}")
+    seqs = np.repeat(np.arange(len(counts)), counts)
+    index = np.arange(total) - np.repeat(np.cumsum(counts) - counts, counts)
+    order = np.argsort(-index, kind="stable")
+    tiles = np.full((capacity, 2), -1, dtype=np.int32)
+    tiles[:total, 0], tiles[:total, 1] = seqs[order], index[order]
+    return tiles
+
+
+def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q,
+                            tiles=None):
+    """Causal prefill attention over paged KV; returns (out [T, Hq, D] in q's dtype, lse float32 [T, Hq]).
+    tiles: the query tiles to run (`prefill_tiles`, on q's device), in place of a grid over max_seqlen_q."""
     block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     group = check_queries(q, k_cache, num_kv_heads, head_dim)
     num_tokens, num_q_heads, _ = q.shape
@@ -136,22 +171,29 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     check_int_tensor("block_tables", block_tables, (batch, block_tables.shape[-1]))
     if not isinstance(max_seqlen_q, int) or max_seqlen_q < 0:
         raise ValueError(f"max_seqlen_q must be a non-negative Python int, got {max_seqlen_q!r}")
+    if tiles is not None:
+        check_int_tensor("tiles", tiles, (tiles.shape[0], 2))
     out = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(num_tokens, num_q_heads, dtype=torch.float32, device=q.device)
     if num_tokens == 0 or batch == 0 or max_seqlen_q == 0:
         return out, lse
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    block_m, block_n, num_warps, num_stages = _tile_config(q, head_dim)
-    grid = (triton.cdiv(max_seqlen_q, block_m), num_q_heads, batch)
+    block_m, block_n, num_warps, num_stages = _tile_config(q.device, q.dtype, head_dim)
+    if tiles is None:
+        grid = (triton.cdiv(max_seqlen_q, block_m), num_q_heads, batch)
+    else:
+        grid = (tiles.shape[0], num_q_heads, 1)
+        tiles = tiles if tiles.is_contiguous() else tiles.contiguous()
     with on_device(q):  # Triton launches on the current device
         _prefill_kernel[grid](
-            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, out, lse, exp2_scale(scale),
+            q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles if tiles is not None else cu_seqlens_q,
+            out, lse, exp2_scale(scale),
             q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             v_cache.stride(0), v_cache.stride(1), v_cache.stride(2), block_tables.stride(0),
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=padded_head_dim(head_dim), IEEE=ieee_dot(q.dtype), UPCAST=interpreted(q.device),
-            num_warps=num_warps, num_stages=num_stages,
+            TILED=tiles is not None, num_warps=num_warps, num_stages=num_stages,
         )
     return out, lse

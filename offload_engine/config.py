@@ -117,6 +117,9 @@ class EngineConfig:
     prefill_segment_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
+    # Prefill steps of device-tier rows up to this many tokens replay CUDA graphs (engine/prefill_graphs.py), at
+    # most max_num_batched_tokens; 0: prefill runs eagerly. Their memory comes out of the KV pool's share.
+    prefill_graph_tokens: int = 8192
     # The device lane queues its next decode step before reading this one's tokens (engine/llm_engine.py).
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
@@ -166,6 +169,9 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens"):
             if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
                 raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
+        if not _is_int(self.prefill_graph_tokens) or self.prefill_graph_tokens < 0:
+            raise ValueError(f"prefill_graph_tokens must be an int >= 0 (0: eager prefill), got "
+                             f"{self.prefill_graph_tokens!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

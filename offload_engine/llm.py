@@ -21,7 +21,7 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", seed: int = 0, model: str | None = None,
                  prefill_segment_tokens: int | None = None, async_scheduling: bool = True,
-                 tensor_parallel_size: int = 1, prefill_device: str | None = None):
+                 tensor_parallel_size: int = 1, prefill_device: str | None = None, prefill_graph_tokens: int = 8192):
         """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing.
 
         kv_placement: "gpu", "cpu" or "auto" (engine/placement.py). kv_promotion (auto only): once the device
@@ -30,6 +30,8 @@ class LLM:
         step takes (engine/prefill_segment.py); None sizes it from the device memory left after start-up.
         tensor_parallel_size: ranks, one process per device from `device` on (offload_engine/distributed/).
         prefill_device: prefill/decode separation: prompts are prefilled there and decoded on `device`.
+        prefill_graph_tokens: prefill steps of device-tier rows up to this many tokens replay CUDA graphs
+        (engine/prefill_graphs.py); 0 runs prefill eagerly, as enforce_eager does.
         """
         model = model_dir if model_dir is not None else model
         if model is None:
@@ -43,7 +45,7 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
-            prefill_device=prefill_device)
+            prefill_device=prefill_device, prefill_graph_tokens=prefill_graph_tokens)
         self.config.validate()
         if not os.path.isdir(model):
             raise OSError(f"model directory {model!r} does not exist: pass a Hugging Face model directory "

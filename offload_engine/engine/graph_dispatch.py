@@ -8,7 +8,10 @@ step's batch (the dispatcher of vLLM v1's runner).
                were captured (host_step_graphs.py); and device-lane steps where the attention backend cannot be
                captured (the torch backend: graphs between attention calls, DecodeGraphs.run).
     NONE       eager: CPU devices, enforce_eager, batches past the largest bucket, split rows wider than the
-               captured device tables. Prefill always runs eagerly and is not dispatched.
+               captured device tables.
+
+Prefill steps are dispatched too, as lane "prefill" with `rows` the token bucket: FULL where every row is on the
+device tier and a bucket's graph pays (prefill_graphs.py), NONE otherwise.
 
 Descriptors are frozen and hashable: `counts` keeps how many steps ran under each (tests and benchmarks read it).
 """
@@ -25,8 +28,8 @@ class GraphMode(enum.Enum):
 
 @dataclass(frozen=True)
 class BatchDescriptor:
-    lane: str  # "device" or "host"
-    rows: int  # the graph bucket the step's rows run in (the rows themselves under NONE)
+    lane: str  # "device", "host" or "prefill"
+    rows: int  # the graph bucket the step's rows run in (the rows themselves under NONE); prefill: its tokens
     split_rows: bool  # some row attends over both tiers (host lane)
 
 
@@ -34,6 +37,7 @@ class GraphDispatcher:
     def __init__(self, graphs: dict):
         """graphs: lane -> its DecodeGraphs or HostStepGraphs (ModelRunner.decode_graphs); no entry: eager."""
         self.graphs = graphs
+        self.prefill_graphs = None  # the runner's PrefillGraphs, where captured
         self.counts: Counter = Counter()  # (mode, descriptor) -> steps
 
     def dispatch(self, lane: str, rows: int, meta=None) -> tuple[GraphMode, BatchDescriptor]:
@@ -46,6 +50,14 @@ class GraphDispatcher:
             size = next(b for b in graphs.buckets if b >= rows)
             mode = GraphMode.FULL if lane == "device" and graphs.whole_steps else GraphMode.PIECEWISE
         descriptor = BatchDescriptor(lane, size, split)
+        self.counts[(mode, descriptor)] += 1
+        return mode, descriptor
+
+    def dispatch_prefill(self, num_tokens: int, meta) -> tuple[GraphMode, BatchDescriptor]:
+        """A prefill step of num_tokens with AttentionMetadata meta."""
+        size = self.prefill_graphs.fits(num_tokens, meta) if self.prefill_graphs is not None else None
+        mode = GraphMode.NONE if size is None else GraphMode.FULL
+        descriptor = BatchDescriptor("prefill", num_tokens if size is None else size, False)
         self.counts[(mode, descriptor)] += 1
         return mode, descriptor
 

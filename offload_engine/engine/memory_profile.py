@@ -1,8 +1,10 @@
 """The device KV pool: how many blocks (`size_device_pool`), and its layout (`allocate_device_pool`).
 
-On CUDA the pool is sized from the memory left after the model's own peak. A warmup prefill of the largest batch the scheduler can form runs through a temporary pool; what the model,
-its activations and the sampler (a full batch, once per lane) take at their peak, plus everything else
-already on the card, is subtracted from total memory x gpu_memory_utilization. The rest is the KV pool.
+On CUDA the pool is sized from the memory left after the model's own peak. A warmup prefill of the largest batch
+the scheduler can form runs through a temporary pool; what the model, its activations, the prefill graphs' pool
+(a prefill at their largest bucket) and the sampler (a full batch, once per lane) take at their peak, plus
+everything else already on the card, is subtracted from total memory x gpu_memory_utilization. The rest is the
+KV pool.
 """
 import torch
 
@@ -49,22 +51,12 @@ def profile_free_kv_bytes(runner) -> int:
     cfg, device = runner.cfg, runner.device
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats(device)
     free, total = torch.cuda.mem_get_info(device)
-    allocated_before = torch.cuda.memory_allocated(device)
-
-    seq_len = min(runner.max_model_len, cfg.max_num_batched_tokens)
-    num_seqs = max(1, min(cfg.max_num_seqs, cfg.max_num_batched_tokens // seq_len))
-    pool = allocate_device_pool(runner.model_cfg, num_seqs * -(-seq_len // cfg.block_size), cfg.block_size,
-                                runner.dtype, runner.device)
-    pool_bytes = pool.nbytes
-    runner.bind_kv_caches(layer_views(pool), None)
-    run_dummy_prefill(runner, num_seqs, seq_len)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - allocated_before - pool_bytes
-    del pool
-    runner.bind_kv_caches([(None, None)] * runner.model_cfg.num_layers, None)
-    torch.cuda.empty_cache()
+    peak = prefill_peak_bytes(runner, cfg.max_num_batched_tokens)
+    # The prefill graphs' pool (prefill_graphs.py) keeps a prefill's activations at their largest bucket for good,
+    # beside what eager prefills take.
+    graph_tokens = runner.prefill_graph_tokens()
+    graphs = prefill_peak_bytes(runner, graph_tokens) if graph_tokens else 0
 
     # The sampler's peak for a full batch, once per decode lane: each lane samples on its own stream, and the
     # caching allocator keeps each stream's blocks apart (reserve_step_memory).
@@ -75,7 +67,28 @@ def profile_free_kv_bytes(runner) -> int:
     lanes = 2 if runner.host_pool is not None else 1
     sampler = lanes * (torch.cuda.max_memory_allocated(device) - base)
     torch.cuda.empty_cache()
-    return int(total * cfg.gpu_memory_utilization - (total - free) - peak - sampler)
+    return int(total * cfg.gpu_memory_utilization - (total - free) - peak - graphs - sampler)
+
+
+def prefill_peak_bytes(runner, tokens: int) -> int:
+    """Device memory a prefill of `tokens` takes at its peak besides the weights and its KV (run through a
+    temporary pool)."""
+    cfg, device = runner.cfg, runner.device
+    torch.cuda.reset_peak_memory_stats(device)
+    allocated_before = torch.cuda.memory_allocated(device)
+    seq_len = min(runner.max_model_len, tokens)
+    num_seqs = max(1, min(cfg.max_num_seqs, tokens // seq_len))
+    pool = allocate_device_pool(runner.model_cfg, num_seqs * -(-seq_len // cfg.block_size), cfg.block_size,
+                                runner.dtype, runner.device)
+    pool_bytes = pool.nbytes
+    runner.bind_kv_caches(layer_views(pool), None)
+    run_dummy_prefill(runner, num_seqs, seq_len)
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - allocated_before - pool_bytes
+    del pool
+    runner.bind_kv_caches([(None, None)] * runner.model_cfg.num_layers, None)
+    torch.cuda.empty_cache()
+    return peak
 
 
 @torch.inference_mode()

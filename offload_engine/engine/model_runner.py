@@ -48,7 +48,8 @@ class ModelRunner:
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.segment_tokens = 0
         self.decode_graphs: dict = {}
-        self.dispatcher = GraphDispatcher(self.decode_graphs)  # which graph a decode step replays
+        self.prefill_graphs = None  # engine/prefill_graphs.py
+        self.dispatcher = GraphDispatcher(self.decode_graphs)  # which graph a step replays
         self.inputs = self.host_inputs = None
         self.streams: dict[str, torch.cuda.Stream] = {}
         self._host_writes: list = []  # host-pool writes still running on the executor (check_host_writes)
@@ -98,6 +99,7 @@ class ModelRunner:
         self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
         self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
         self.dispatcher.graphs = self.decode_graphs
+        self.prefill_graphs = self.dispatcher.prefill_graphs = self._capture_prefill_graphs()
         if self.ring is not None:
             with torch.inference_mode():
                 self.model.attention_layers()[0].compile_staged_prefill()
@@ -201,6 +203,27 @@ class ModelRunner:
                                             device_blocks_per_seq=self.num_gpu_blocks if splits else None)
         return graphs
 
+    def prefill_graph_tokens(self) -> int:
+        """The largest prefill step that replays a CUDA graph (engine/prefill_graphs.py), 0 where none is captured:
+        off CUDA, eager, tensor-parallel (as decode), and on backends other than our Triton kernels, whose
+        prefill attention takes its grid from the step (flash-attn, torch)."""
+        if self.device.type != "cuda" or self.cfg.enforce_eager or self.tp.size > 1 or self.backend.name != "triton":
+            return 0
+        return min(self.cfg.prefill_graph_tokens, self.cfg.max_num_batched_tokens)
+
+    def _capture_prefill_graphs(self):
+        tokens = self.prefill_graph_tokens()
+        if not tokens:
+            return None
+        from offload_engine.engine.prefill_graphs import PrefillGraphs
+
+        began = time.perf_counter()
+        # On the device lane's capture stream: prefill steps run on that lane, never beside its decode graphs.
+        graphs = PrefillGraphs(self.model, tokens, self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
+                               self.dtype, self.device, engine_stream(self.device, "capture-device"))
+        self.startup_seconds["prefill_graphs"] = time.perf_counter() - began
+        return graphs
+
     @property
     def host_step_holds_executor(self) -> bool:
         """True when a host-lane step is one native loop on the executor from its start to its end
@@ -227,9 +250,11 @@ class ModelRunner:
         if self.executor is not None:
             self.executor.shutdown()  # after this no host kernel can touch the host pool
             self.executor = None
-        for graphs in self.decode_graphs.values():
-            graphs.release()
+        for graphs in [*self.decode_graphs.values(), self.prefill_graphs]:
+            if graphs is not None:
+                graphs.release()
         self.decode_graphs = self.dispatcher.graphs = {}
+        self.prefill_graphs = self.dispatcher.prefill_graphs = None
         self.move_staging.release()
         for builder in (self.inputs, self.host_inputs):
             if builder is not None:
@@ -348,8 +373,15 @@ class ModelRunner:
         """The model over one step's batch -> the logits of its sampled rows."""
         builder = self.inputs if lane == "device" else self.host_inputs
         step = builder.prefill(seqs) if is_prefill else builder.decode(seqs)
-        mode = GraphMode.NONE if is_prefill else self.dispatcher.dispatch(lane, len(seqs), step.meta)[0]
-        if mode == GraphMode.PIECEWISE:
+        if is_prefill:
+            mode, batch = self.dispatcher.dispatch_prefill(step.token_ids.shape[0], step.meta)
+        else:
+            mode = self.dispatcher.dispatch(lane, len(seqs), step.meta)[0]
+        if is_prefill and mode == GraphMode.FULL:
+            hidden = self.prefill_graphs.run(batch.rows, step.token_ids, step.positions, step.meta,
+                                             [s.num_scheduled_tokens for s in seqs], builder.to_device)
+            logits = self.model.compute_logits(hidden[step.sample_rows])
+        elif mode == GraphMode.PIECEWISE:
             logits = self.decode_graphs[lane].run(step.token_ids, step.positions, step.meta)
         else:
             hidden = self.model(step.token_ids, step.positions, step.meta)

@@ -79,9 +79,10 @@ class Attention(nn.Module):
                                   meta.staging.host_token_slots, meta.pending_host_writes)
         if meta.has_gpu_rows:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
+            tiled = {} if meta.prefill_tiles is None else {"tiles": meta.prefill_tiles}  # Triton's kernel only
             partials.append(self.backend.paged_prefill_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                self.scale, meta.max_seqlen_q))
+                self.scale, meta.max_seqlen_q, **tiled))
         if meta.has_cpu_rows:
             k_staged, v_staged = self._stage_prefix(meta.staging, q.device)
             self.backend.store_kvcache(k, v, k_staged, v_staged, meta.staging.slot_mapping)

@@ -57,6 +57,9 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     max_seqlen_q: int = 0
     staging: PrefixStaging | None = None
+    # Prefill inside a CUDA graph (engine/prefill_graphs.py): the device rows' query tiles, which fix the attention
+    # kernel's grid whatever the step's rows (kernels.paged_prefill.prefill_tiles); None: a grid over max_seqlen_q.
+    prefill_tiles: torch.Tensor | None = None
     # Host-pool writes still running on the CPU executor; the runner tracks them (ModelRunner.check_host_writes).
     pending_host_writes: list[Future] = field(default_factory=list)
     # Decode: seconds each layer's CPU kernels took on the executor, for the cost check (engine/lane_stats.py).

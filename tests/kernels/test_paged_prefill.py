@@ -3,6 +3,7 @@ import pytest
 import torch
 
 from kernels import paged_prefill_attention
+from kernels.paged_prefill import prefill_tiles, query_tile_rows
 from tests.conftest import TEST_DEVICE
 from tests.reference import attention_reference, on_test_device, random_paged_kv, relative_error
 
@@ -11,8 +12,9 @@ LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 
 
 def check_prefill(context_lens, query_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0,
-                  max_seqlen_q=None, strided_q=False):
-    """context_lens[b] counts cached tokens including the chunk; the chunk is the last query_lens[b] of them."""
+                  max_seqlen_q=None, strided_q=False, tiled=False):
+    """context_lens[b] counts cached tokens including the chunk; the chunk is the last query_lens[b] of them.
+    tiled: the grid from a tile map (as a CUDA graph runs it), three rows of -1 past the last tile."""
     k_cache, v_cache, block_tables, keys, values = random_paged_kv(
         context_lens, num_kv_heads, head_dim, block_size, dtype, layout="token_major", seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -23,9 +25,15 @@ def check_prefill(context_lens, query_lens, num_q_heads, num_kv_heads, head_dim,
     q_in = fused.to(TEST_DEVICE)[:, :num_q_heads] if strided_q else q.to(TEST_DEVICE)
     cu_seqlens = torch.tensor([0] + torch.tensor(query_lens).cumsum(0).tolist(), dtype=torch.int32)
     scale = head_dim ** -0.5
+    tiles = None
+    if tiled:
+        tile_rows = query_tile_rows(torch.device(TEST_DEVICE), dtype, head_dim)
+        needed = sum(-(-n // tile_rows) for n in query_lens)
+        tiles = on_test_device(torch.from_numpy(prefill_tiles(query_lens, tile_rows, needed + 3)))[0]
     out, lse = paged_prefill_attention(q_in, *on_test_device(k_cache, v_cache, block_tables, cu_seqlens,
                                                              torch.tensor(context_lens, dtype=torch.int32)),
-                                       scale, max_seqlen_q if max_seqlen_q is not None else max(query_lens))
+                                       scale, max_seqlen_q if max_seqlen_q is not None else max(query_lens),
+                                       tiles=tiles)
     out, lse = out.cpu(), lse.cpu()
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (num_tokens, num_q_heads)
     for b, (context, q_len) in enumerate(zip(context_lens, query_lens)):
@@ -42,6 +50,21 @@ def check_prefill(context_lens, query_lens, num_q_heads, num_kv_heads, head_dim,
 def test_chunks_after_cached_prefixes_gqa(num_q_heads, num_kv_heads):
     # A chunk after a prefix, a whole-sequence prefill, a single query, and rows with no queries at all.
     check_prefill([70, 21, 33, 17, 0], [40, 21, 1, 0, 0], num_q_heads, num_kv_heads, 64, 8, torch.float32)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_a_tile_map_runs_every_query_tile_once(dtype):
+    # Rows of several tiles, one query, none; a prefix before a chunk; GQA; spare map rows of -1.
+    check_prefill([70, 21, 33, 17, 0, 50], [40, 21, 1, 0, 0, 33], 8, 2, 64, 8, dtype, seed=5, tiled=True)
+
+
+def test_the_tile_map_puts_the_longest_causal_tiles_first():
+    tiles = prefill_tiles([33, 0, 16, 1], 16, 8)
+    assert tiles.dtype.name == "int32" and tiles.shape == (8, 2)
+    assert tiles[:5].tolist() == [[0, 2], [0, 1], [0, 0], [2, 0], [3, 0]]
+    assert (tiles[5:] == -1).all()
+    with pytest.raises(ValueError, match="tile map"):
+        prefill_tiles([33, 16], 16, 3)
 
 
 @pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16, torch.float16))

@@ -1,0 +1,154 @@
+"""Whole CUDA graphs for prefill steps whose rows are all on the device tier, one graph per bucket of tokens.
+
+Eagerly, a prefill step of a small model is bound by its launches, not by the GPU: Qwen3-0.6B takes ~30 ms to issue
+a step's ~430 kernels whatever its size up to ~8k tokens, while the GPU needs 6 ms for one prompt of 2,048 tokens
+and 22 ms for four (H100 host, 2026-11-25, results/nvidia-h100-80gb-hbm3/profile_prefill_step_2026-11-25.json).
+So a wave of prompts that starts in two steps instead of one costs a whole step more, and under `auto` waves
+split that way (issue 10, prompt-heavy 0.6B at 1/16 of its KV: 35 prefill steps against `gpu`'s 19).
+
+A graph per bucket holds the whole forward, attention included: the attention kernel's grid is a tile map sized
+for the bucket (kernels.paged_prefill.prefill_tiles), not the step's rows. A step's tokens, positions, slots,
+context lengths, tables and tiles are copied into the static tensors the graphs read. Tokens past the step's own
+(its padding up to the bucket) get slot -1 and no tile: they write no KV and no query of theirs is attended;
+every other op is row-wise, so their rows are never read. Logits are computed eagerly, for the sampled rows only.
+
+Whether a bucket pays is measured once its graph exists: the graph's replay without attention against an eager
+forward's launch time, which no eager step goes below. A bucket whose replay already takes longer (a large
+model, whose prefill the GPU and not the launches bounds) is left to eager steps, which carry no padding.
+
+Steps with host-tier rows run eagerly: their attention stages host KV through the executor between layers.
+"""
+import time
+
+import numpy as np
+import torch
+
+from offload_engine.layers.attention_metadata import AttentionMetadata
+
+# Bucket sizes: 256, 512, then powers of two and the halfway points above them (1,024, 1,536, 2,048, 3,072, ...),
+# so a step above 1,024 tokens pads by at most half of itself (below, to twice itself: launches bound those anyway).
+_SIZES = [256, 512] + sorted(size for k in range(10, 24) for size in (1 << k, 3 << (k - 1)))
+
+
+def token_buckets(largest: int) -> list[int]:
+    """The bucket sizes up to `largest`, which is the last."""
+    return [size for size in _SIZES if size < largest] + [largest]
+
+
+class PrefillGraphs:
+    def __init__(self, model, max_tokens: int, max_rows: int, max_blocks_per_seq: int, dtype: torch.dtype,
+                 device: torch.device, capture_stream=None):
+        """max_tokens: the largest bucket; max_rows: rows a step may have; capture_stream None: no graphs are
+        captured, and `run` goes through the same static tensors eagerly (CPU tests of everything but capture)."""
+        from kernels.paged_prefill import query_tile_rows
+
+        self.model, self.device = model, device
+        self.buckets = token_buckets(max_tokens)
+        largest = self.buckets[-1]
+        self.max_rows, self.max_blocks_per_seq = min(max_rows, largest), max_blocks_per_seq
+        attn = model.attention_layers()[0]
+        self.tile_rows = query_tile_rows(device, dtype, attn.head_dim)
+        # Each row adds at most one partial tile to the bucket's whole ones.
+        self.tile_capacity = {b: -(-b // self.tile_rows) + self.max_rows for b in self.buckets}
+        new = lambda shape, dtype, fill: torch.full(shape, fill, dtype=dtype, device=device)
+        self.token_ids, self.positions = new((largest,), torch.int64, 0), new((largest,), torch.int64, 0)
+        self.slot_mapping = new((largest,), torch.int64, -1)
+        self.cu_seqlens = new((self.max_rows + 1,), torch.int32, 0)
+        self.context_lens = new((self.max_rows,), torch.int32, 0)
+        self.block_tables = new((self.max_rows, max_blocks_per_seq), torch.int32, -1)
+        self.tiles = new((self.tile_capacity[largest], 2), torch.int32, -1)
+        self.capture_stream, self.pool = capture_stream, None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.pays = {b: capture_stream is None for b in self.buckets}
+        self.launch_seconds, self.replay_seconds = None, {}  # what `pays` was decided from
+        if capture_stream is not None:
+            for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
+                self._capture(size)
+            self._measure()
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        none = torch.empty(0, dtype=torch.int64)
+        return AttentionMetadata(
+            is_prefill=True, slot_mapping=self.slot_mapping[:size], context_lens=self.context_lens,
+            block_tables=self.block_tables, slot_mapping_cpu=none, context_lens_cpu=none.int(),
+            block_tables_cpu=none.int().view(0, 0), has_gpu_rows=True, has_cpu_rows=False,
+            cu_seqlens_q=self.cu_seqlens, max_seqlen_q=size, prefill_tiles=self.tiles[:self.tile_capacity[size]])
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.token_ids[:size], self.positions[:size], self._meta(size))
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> None:
+        self._forward(size)  # warm up outside the graph (compiles); no tile and no slot: no KV is read or written
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+            self.hidden[size] = self._forward(size)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def _measure(self) -> None:
+        """pays[b]: the replay of b's graph (everything but attention: the static inputs hold no tile) is shorter
+        than the host time of launching an eager forward at the smallest bucket."""
+        launches = []
+        for _ in range(2):  # the first may still fill caches
+            torch.cuda.synchronize(self.device)
+            began = time.perf_counter()
+            self._forward(self.buckets[0])
+            launches.append(time.perf_counter() - began)
+        self.launch_seconds = min(launches)
+        for size, graph in self.graphs.items():
+            times = []
+            for _ in range(2):
+                torch.cuda.synchronize(self.device)
+                began = time.perf_counter()
+                graph.replay()
+                torch.cuda.synchronize(self.device)
+                times.append(time.perf_counter() - began)
+            self.replay_seconds[size] = min(times)
+            self.pays[size] = self.replay_seconds[size] < self.launch_seconds
+
+    def bucket(self, num_tokens: int) -> int | None:
+        """The bucket a step of num_tokens runs in, or None where it has none or its graph does not pay."""
+        size = next((b for b in self.buckets if b >= num_tokens), None)
+        return size if size is not None and self.pays[size] else None
+
+    def fits(self, num_tokens: int, meta: AttentionMetadata) -> int | None:
+        """The bucket for a prefill step, or None where it runs eagerly: host-tier rows, more rows or a wider table
+        than the static tensors hold, or no bucket that pays."""
+        if meta.has_cpu_rows or meta.context_lens.shape[0] > self.max_rows:
+            return None
+        if meta.block_tables.shape[1] > self.max_blocks_per_seq:
+            return None
+        return self.bucket(num_tokens)
+
+    @torch.inference_mode()
+    def run(self, size: int, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            query_lens: list[int], to_device) -> torch.Tensor:
+        """The step's hidden states [T, hidden] from bucket `size`'s graph. to_device(array, dtype): the step
+        builder's pinned copy to the device, for the tile map."""
+        num_tokens, rows = token_ids.shape[0], meta.context_lens.shape[0]
+        self.token_ids[:num_tokens].copy_(token_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
+        self.slot_mapping[num_tokens:size].fill_(-1)  # an earlier, longer step's slots must not be written again
+        self.cu_seqlens[:rows + 1].copy_(meta.cu_seqlens_q)
+        self.context_lens[:rows].copy_(meta.context_lens)
+        self.block_tables[:rows, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        from kernels.paged_prefill import prefill_tiles
+
+        capacity = self.tile_capacity[size]
+        self.tiles[:capacity].copy_(to_device(prefill_tiles(np.asarray(query_lens), self.tile_rows, capacity),
+                                              torch.int32))
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.hidden[size][:num_tokens]
+        return self._forward(size)[:num_tokens]
+
+    def release(self) -> None:
+        """Drops every graph and the memory pool they share (the engine's close())."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs, self.hidden, self.pool = {}, {}, None

@@ -1,0 +1,130 @@
+"""Prefill through the static, bucket-padded tensors of engine/prefill_graphs.py against the eager forward: the same
+hidden states, the same KV, and no write anywhere else (padding, or an earlier longer step's slots). On the CPU the
+static path runs without capture; on CUDA the engine's own captured graphs replay. The engine with them, against
+transformers."""
+import pytest
+import torch
+
+from offload_engine import LLM, SamplingParams
+from offload_engine.engine.graph_dispatch import GraphMode
+from offload_engine.engine.prefill_graphs import PrefillGraphs, token_buckets
+from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.sampling_params import SamplingParams as Params
+from tests.conftest import TEST_DEVICE
+from tests.oracle import hf_greedy, random_prompts
+
+
+def test_buckets_pad_a_step_by_at_most_half_and_end_at_the_largest():
+    for largest in (100, 256, 3000, 8192, 16384):
+        buckets = token_buckets(largest)
+        assert buckets == sorted(set(buckets)) and buckets[-1] == largest
+        for tokens in range(1, largest + 1, 7):
+            chosen = next(b for b in buckets if b >= tokens)
+            assert chosen <= max(256, 2 * tokens) and (tokens <= 1024 or 2 * chosen <= 3 * tokens)
+
+
+@pytest.fixture
+def runner_and_graphs(qwen3_dir):
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, attention_backend="triton", kv_placement="gpu", num_gpu_blocks=24,
+              max_model_len=128, max_num_batched_tokens=96)
+    runner = llm.engine.runner
+    graphs = runner.prefill_graphs
+    if graphs is None:  # the CPU: the same static tensors and padding, run eagerly
+        graphs = PrefillGraphs(runner.model, 96, 4, -(-128 // 16), runner.dtype, runner.device)
+    yield runner, graphs
+    llm.close()
+
+
+def _rows(lengths_and_prefixes, first_block=0, vocab=256, seed=0):
+    """Device-tier sequences, each with `prefix` tokens already cached and the rest scheduled, blocks in order."""
+    gen = torch.Generator().manual_seed(seed)
+    seqs, block = [], first_block
+    for length, prefix in lengths_and_prefixes:
+        seq = Sequence(torch.randint(1, vocab, (length,), generator=gen).tolist(), Params(), budget=length)
+        seq.location, seq.num_computed_tokens, seq.num_scheduled_tokens = BlockLocation.GPU, prefix, length - prefix
+        seq.block_table = list(range(block, block + -(-length // 16)))
+        block += len(seq.block_table)
+        seqs.append(seq)
+    return seqs
+
+
+def _fill_pool(runner, seed):
+    gen = torch.Generator().manual_seed(seed)
+    for layer in runner.model.attention_layers():
+        for cache in (layer.k_cache, layer.v_cache):
+            cache.copy_(torch.randn(cache.shape, generator=gen).to(cache.dtype))
+
+
+def _pool(runner):
+    return [cache.clone() for layer in runner.model.attention_layers() for cache in (layer.k_cache, layer.v_cache)]
+
+
+def _run(runner, graphs, seqs, static: bool):
+    step = runner.inputs.prefill(seqs)
+    with torch.inference_mode():
+        if not static:
+            return runner.model(step.token_ids, step.positions, step.meta), step
+        size = graphs.fits(step.token_ids.shape[0], step.meta)
+        assert size is not None
+        hidden = graphs.run(size, step.token_ids, step.positions, step.meta,
+                            [s.num_scheduled_tokens for s in seqs], runner.inputs.to_device)
+        return hidden.clone(), step
+
+
+def _written(step, shape):
+    """A mask of the pool's [blocks, block_size] slots the step writes."""
+    mask = torch.zeros(shape[0] * shape[1], dtype=torch.bool)
+    slots = step.meta.slot_mapping.cpu()
+    mask[slots[slots >= 0]] = True
+    return mask.view(shape[0], shape[1])
+
+
+def test_padded_static_steps_write_and_return_what_eager_ones_do(runner_and_graphs):
+    runner, graphs = runner_and_graphs
+    # Block boundaries (16, 17), one token, a chunk after a cached prefix (attends over 20 + 9), GQA (the tiny model).
+    seqs = _rows([(17, 0), (1, 0), (29, 20), (16, 0)])
+    results = []
+    for static in (False, True):
+        _fill_pool(runner, seed=3)  # fresh random KV, the cached prefix included
+        hidden, step = _run(runner, graphs, seqs, static)
+        results.append((hidden, _pool(runner), step))
+    (eager, eager_pool, step), (padded, padded_pool, _) = results
+    tolerance = 1e-5 if eager.dtype == torch.float32 else 2e-2
+    assert padded.shape == eager.shape
+    assert torch.allclose(padded.float(), eager.float(), atol=tolerance, rtol=tolerance)
+    _fill_pool(runner, seed=3)
+    untouched = _pool(runner)
+    written = _written(step, untouched[0].shape)
+    for before, after_eager, after_padded in zip(untouched, eager_pool, padded_pool):
+        assert torch.equal(after_padded[~written], before[~written])  # padding wrote nowhere
+        assert torch.allclose(after_padded[written].float(), after_eager[written].float(), atol=tolerance,
+                              rtol=tolerance)
+        assert not torch.equal(after_padded[written], before[written])
+
+
+def test_a_shorter_step_after_a_longer_one_writes_only_its_own_slots(runner_and_graphs):
+    runner, graphs = runner_and_graphs
+    _run(runner, graphs, _rows([(40, 0), (30, 0)]), static=True)  # fills the static slots of 70 tokens
+    _fill_pool(runner, seed=5)
+    before = _pool(runner)
+    hidden, step = _run(runner, graphs, _rows([(5, 0)], first_block=10, seed=1), static=True)
+    assert hidden.shape[0] == 5
+    written = _written(step, before[0].shape)
+    assert written.sum() == 5
+    for cache_before, cache_after in zip(before, _pool(runner)):
+        assert torch.equal(cache_after[~written], cache_before[~written])
+
+
+def test_the_engine_replays_prefill_graphs_and_matches_transformers(qwen3_dir):
+    if TEST_DEVICE != "cuda":
+        pytest.skip("prefill graphs are captured on CUDA only; the static path is checked above on the CPU")
+    # Mixed tiers: host-tier prompts prefill eagerly, device-tier ones in graphs; a prompt past the largest bucket.
+    prompts = random_prompts((1, 17, 40, 30, 16, 300), 256, seed=41)
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, attention_backend="triton", kv_placement="auto", num_gpu_blocks=12,
+              num_cpu_blocks=32, cpu_block_size=16, max_num_batched_tokens=320, prefill_graph_tokens=256)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    dispatcher = llm.engine.runner.dispatcher
+    assert dispatcher.steps("prefill", GraphMode.FULL) > 0 and dispatcher.steps("prefill", GraphMode.NONE) > 0
+    for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 6)):
+        assert output.token_ids == ref
+    llm.close()
