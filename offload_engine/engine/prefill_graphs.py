@@ -2,9 +2,10 @@
 
 Eagerly, a prefill step of a small model is bound by its launches, not by the GPU: Qwen3-0.6B takes ~30 ms to issue
 a step's ~430 kernels whatever its size up to ~8k tokens, while the GPU needs 6 ms for one prompt of 2,048 tokens
-and 22 ms for four (H100 host, 2026-11-25, results/nvidia-h100-80gb-hbm3/profile_prefill_step_2026-11-25.json).
-So a wave of prompts that starts in two steps instead of one costs a whole step more, and under `auto` waves
-split that way (issue 10, prompt-heavy 0.6B at 1/16 of its KV: 35 prefill steps against `gpu`'s 19).
+and 22 ms for four. So a wave of prompts that starts in two steps instead of one costs a whole step more, and
+under `auto` waves split that way (issue 10, prompt-heavy 0.6B at 1/16 of its KV: 35 prefill steps against `gpu`'s
+19). With these graphs a step of 1 / 2 / 3 / 4 such prompts took 9.5 / 15.3 / 21.3 / 26.8 ms, against 33.0 / 31.3 /
+42.2 / 31.4 eagerly (H100 host, 2026-11-25, results/nvidia-h100-80gb-hbm3/prefill_graphs_2026-11-25/).
 
 A graph per bucket holds the whole forward, attention included: the attention kernel's grid is a tile map sized
 for the bucket (kernels.paged_prefill.prefill_tiles), not the step's rows. A step's tokens, positions, slots,
