@@ -65,6 +65,11 @@ class CostModel:
     kv_bytes: int  # KV bytes per token
     host_prefill_s_per_tok: float = 0.0  # what a host-tier prompt token's prefill takes beyond a device-tier one's
     prefill_fixed_s: float = 0.0  # ...but no less than this a step (its eager launches: the engine thread's time)
+    # Prefill steps of device-tier rows up to this many tokens replay a CUDA graph (engine/prefill_graphs.py) and
+    # take graph_prefill_fixed_s + tokens / graph_prefill_tok_s instead (0: every step is eager).
+    graph_prefill_tokens: int = 0
+    graph_prefill_fixed_s: float = 0.0
+    graph_prefill_tok_s: float = 1.0
     link_bytes_per_s: float = 50e9  # the pinned copy ModelRunner times at start-up (LaneStats' move-cost seed)
     # If set, a host step costs the device lane this many seconds whatever its length (its rows' linear layers
     # read the weights again), spread over the device steps it overlaps, instead of the constant factor `busy`.
@@ -103,6 +108,9 @@ class CostModel:
 # A step is the engine thread's eager launches up to ~6k tokens and the GPU's arithmetic beyond: max(29 ms, tokens /
 # 218k a second) fits all three, where 150k tok/s alone made small steps cheap and left unseen what auto paid at
 # 1/16 for prefill steps of one or three rows (35 steps where gpu took 19; benchmarks/NOTES.md, seventeenth session).
+# Since prefill graphs (2026-11-25, results/nvidia-h100-80gb-hbm3/prefill_graphs_2026-11-25/): device-tier steps up
+# to 8,192 tokens take 9.5 / 15.3 / 21.3 / 26.8 ms for 1-4 prompts of 2,048, i.e. 3.7 ms + tokens / 353k a second.
+# The 8B's buckets pay up to ~1.5k tokens only (its replay outgrows the launches), where prefill is GPU-bound anyway.
 # Moves re-scaled 2026-11-24 (seventh session): promotions read the host pool on 16 programs beside the device lane
 # since f802db9, demotions write it on 8 since 8452c86, and the device lane's extra time per move fell with them
 # (a decode-heavy 8B demotion 4.68 -> 1.74 ms; a 632 MB promotion's step beside it 22-23 -> 5.7-6.1 ms against 5.4
@@ -116,7 +124,8 @@ COST_MODELS = {
     "qwen3-0.6b": CostModel(dev_fixed=0.00145, dev_row=0.00001, kv_bw=4.0e12, busy=1.0, host_fixed=0.007,
                             host_per_gb=0.0103, prefill_tok_s=218000, promote_s_per_tok=0.7e-6,
                             demote_s_per_tok=0.7e-6, kv_bytes=114688, host_prefill_s_per_tok=2e-6,
-                            prefill_fixed_s=0.029),
+                            prefill_fixed_s=0.029, graph_prefill_tokens=8192, graph_prefill_fixed_s=0.0037,
+                            graph_prefill_tok_s=353000),
 }
 HOST_POOL_BLOCKS = {"qwen3-8b": 6346, "qwen3-0.6b": 40000}
 
@@ -248,8 +257,11 @@ class FakeRunner:
         if is_prefill:
             host = sum(seq.num_scheduled_tokens for seq in batch if seq.location == BlockLocation.CPU)
             tokens = sum(seq.num_scheduled_tokens for seq in batch)
-            self.clock.now = self._gpu(max(self.cost.prefill_fixed_s, tokens / self.cost.prefill_tok_s)
-                                       + host * self.cost.host_prefill_s_per_tok)
+            if not host and tokens <= self.cost.graph_prefill_tokens:
+                seconds = self.cost.graph_prefill_fixed_s + tokens / self.cost.graph_prefill_tok_s
+            else:
+                seconds = max(self.cost.prefill_fixed_s, tokens / self.cost.prefill_tok_s)
+            self.clock.now = self._gpu(seconds + host * self.cost.host_prefill_s_per_tok)
             return [1] * len(batch)
         host_busy = self.engine.in_flight is not None
         slower = self.cost.busy_factor(self.engine.host_step_seconds) if host_busy else 1.0

@@ -58,8 +58,20 @@ def test_a_prefill_step_takes_its_tokens_time_but_no_less_than_the_fixed_floor()
     # One prefill step of 2 x 64 tokens (the max_num_batched_tokens budget holds both), at 1,000 tokens a second:
     # 0.128 s of arithmetic. A floor below it changes nothing; one above it replaces it (not adds to it).
     point = Point("qwen3-0.6b", num_seqs=2, prompt_len=64, output_len=8, num_gpu_blocks=64)
-    slow = replace(COST_MODELS[point.model], prefill_tok_s=1000.0)
+    slow = replace(COST_MODELS[point.model], prefill_tok_s=1000.0, graph_prefill_tokens=0)  # eager steps
     seconds = {fixed: simulate("gpu", point, replace(slow, prefill_fixed_s=fixed))["seconds"]
                for fixed in (0.0, 0.1, 1.0)}
     assert seconds[0.1] == seconds[0.0]
     assert seconds[1.0] == pytest.approx(seconds[0.0] + 1.0 - 0.128, abs=0.011)
+
+
+def test_a_prefill_step_within_the_graph_bucket_takes_the_graph_cost():
+    # The same 128-token step: a graph's fixed cost adds to its tokens' time (0.5 + 0.128 s against the eager 0.128);
+    # a step past the largest bucket (64 tokens) stays eager.
+    point = Point("qwen3-0.6b", num_seqs=2, prompt_len=64, output_len=8, num_gpu_blocks=64)
+    slow = replace(COST_MODELS[point.model], prefill_tok_s=1000.0, prefill_fixed_s=0.0, graph_prefill_fixed_s=0.5,
+                   graph_prefill_tok_s=1000.0)
+    seconds = {tokens: simulate("gpu", point, replace(slow, graph_prefill_tokens=tokens))["seconds"]
+               for tokens in (0, 64, 256)}
+    assert seconds[64] == seconds[0]
+    assert seconds[256] == pytest.approx(seconds[0] + 0.5, abs=0.011)
