@@ -71,6 +71,8 @@ def test_request_larger_than_any_allowed_pool(llm):
     (dict(device="tpu"), "device"),
     (dict(prefill_device="mps"), "prefill_device"),
     (dict(tensor_parallel_size=2, prefill_device="cpu"), "one or the other"),
+    (dict(prefill_graph_tokens=-1), "prefill_graph_tokens"),
+    (dict(prefill_graph_tokens=1.5), "prefill_graph_tokens"),
 ])
 def test_bad_engine_arguments(qwen3_dir, kwargs, match):
     with pytest.raises(ValueError, match=match):

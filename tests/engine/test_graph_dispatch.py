@@ -36,6 +36,17 @@ def test_piecewise_device_graphs_and_no_graphs():
     assert GraphDispatcher({}).dispatch("device", 1)[0] == GraphMode.NONE
 
 
+def test_prefill_steps_replay_their_token_bucket_where_the_prefill_graphs_take_them():
+    dispatcher = GraphDispatcher({})
+    assert dispatcher.dispatch_prefill(300, SimpleNamespace(has_cpu_rows=False)) == (
+        GraphMode.NONE, BatchDescriptor("prefill", 300, False))
+    dispatcher.prefill_graphs = SimpleNamespace(fits=lambda tokens, meta: None if meta.has_cpu_rows else 512)
+    assert dispatcher.dispatch_prefill(300, SimpleNamespace(has_cpu_rows=False)) == (
+        GraphMode.FULL, BatchDescriptor("prefill", 512, False))
+    assert dispatcher.dispatch_prefill(300, SimpleNamespace(has_cpu_rows=True))[0] == GraphMode.NONE
+    assert dispatcher.steps("prefill", GraphMode.FULL) == 1 and dispatcher.steps("prefill", GraphMode.NONE) == 2
+
+
 def test_cpu_engines_run_eagerly(qwen3_dir):
     if TEST_DEVICE != "cpu":
         pytest.skip("a CPU engine")

@@ -2,6 +2,8 @@
 hidden states, the same KV, and no write anywhere else (padding, or an earlier longer step's slots). On the CPU the
 static path runs without capture; on CUDA the engine's own captured graphs replay. The engine with them, against
 transformers."""
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -77,6 +79,23 @@ def _written(step, shape):
     slots = step.meta.slot_mapping.cpu()
     mask[slots[slots >= 0]] = True
     return mask.view(shape[0], shape[1])
+
+
+def test_host_tier_rows_wide_tables_and_buckets_that_do_not_pay_run_eagerly(runner_and_graphs):
+    _, graphs = runner_and_graphs
+    largest = graphs.buckets[-1]
+
+    def meta(rows=2, width=2, host=False):
+        return SimpleNamespace(has_cpu_rows=host, context_lens=torch.zeros(rows), block_tables=torch.zeros(rows, width))
+
+    assert graphs.fits(40, meta()) == largest == 96
+    assert graphs.fits(97, meta()) is None
+    assert graphs.fits(40, meta(host=True)) is None
+    assert graphs.fits(40, meta(rows=graphs.max_rows + 1)) is None
+    assert graphs.fits(40, meta(width=graphs.max_blocks_per_seq + 1)) is None
+    graphs.pays[largest] = False
+    assert graphs.fits(40, meta()) is None
+    graphs.pays[largest] = True
 
 
 def test_padded_static_steps_write_and_return_what_eager_ones_do(runner_and_graphs):
