@@ -8,6 +8,7 @@ KV pool.
 """
 import torch
 
+from offload_engine.engine.prefill_graphs import prefill_graph_tokens
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.sampler import largest_sampling_step, sample
 from offload_engine.sampling_params import SamplingParams
@@ -55,7 +56,7 @@ def profile_free_kv_bytes(runner) -> int:
     peak = prefill_peak_bytes(runner, cfg.max_num_batched_tokens)
     # The prefill graphs' pool (prefill_graphs.py) keeps a prefill's activations at their largest bucket for good,
     # beside what eager prefills take.
-    graph_tokens = runner.prefill_graph_tokens()
+    graph_tokens = prefill_graph_tokens(runner)
     graphs = prefill_peak_bytes(runner, graph_tokens) if graph_tokens else 0
 
     # The sampler's peak for a full batch, once per decode lane: each lane samples on its own stream, and the

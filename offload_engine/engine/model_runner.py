@@ -25,6 +25,7 @@ from offload_engine.engine.memory_profile import (allocate_device_pool, layer_vi
                                                   size_device_pool)
 from offload_engine.engine.move_staging import MoveStaging
 from offload_engine.engine.pinned_ring import PinnedRing
+from offload_engine.engine.prefill_graphs import capture_prefill_graphs
 from offload_engine.engine.prefill_segment import run_segment, segment_capacity, segment_inputs
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.step_inputs import StepInputBuilder
@@ -99,7 +100,9 @@ class ModelRunner:
         self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
         self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
         self.dispatcher.graphs = self.decode_graphs
-        self.prefill_graphs = self.dispatcher.prefill_graphs = self._capture_prefill_graphs()
+        began = time.perf_counter()
+        self.prefill_graphs = self.dispatcher.prefill_graphs = capture_prefill_graphs(self)
+        self.startup_seconds["prefill_graphs"] = time.perf_counter() - began
         if self.ring is not None:
             with torch.inference_mode():
                 self.model.attention_layers()[0].compile_staged_prefill()
@@ -201,27 +204,6 @@ class ModelRunner:
             graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
                                             self.host_pool, self.executor, engine_stream(self.device, "capture-host"),
                                             device_blocks_per_seq=self.num_gpu_blocks if splits else None)
-        return graphs
-
-    def prefill_graph_tokens(self) -> int:
-        """The largest prefill step that replays a CUDA graph (engine/prefill_graphs.py), 0 where none is captured:
-        off CUDA, eager, tensor-parallel (as decode), and on backends other than our Triton kernels, whose
-        prefill attention takes its grid from the step (flash-attn, torch)."""
-        if self.device.type != "cuda" or self.cfg.enforce_eager or self.tp.size > 1 or self.backend.name != "triton":
-            return 0
-        return min(self.cfg.prefill_graph_tokens, self.cfg.max_num_batched_tokens)
-
-    def _capture_prefill_graphs(self):
-        tokens = self.prefill_graph_tokens()
-        if not tokens:
-            return None
-        from offload_engine.engine.prefill_graphs import PrefillGraphs
-
-        began = time.perf_counter()
-        # On the device lane's capture stream: prefill steps run on that lane, never beside its decode graphs.
-        graphs = PrefillGraphs(self.model, tokens, self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
-                               self.dtype, self.device, engine_stream(self.device, "capture-device"))
-        self.startup_seconds["prefill_graphs"] = time.perf_counter() - began
         return graphs
 
     @property

@@ -111,19 +111,15 @@ class PrefillGraphs:
             self.replay_seconds[size] = min(times)
             self.pays[size] = self.replay_seconds[size] < self.launch_seconds
 
-    def bucket(self, num_tokens: int) -> int | None:
-        """The bucket a step of num_tokens runs in, or None where it has none or its graph does not pay."""
-        size = next((b for b in self.buckets if b >= num_tokens), None)
-        return size if size is not None and self.pays[size] else None
-
     def fits(self, num_tokens: int, meta: AttentionMetadata) -> int | None:
-        """The bucket for a prefill step, or None where it runs eagerly: host-tier rows, more rows or a wider table
-        than the static tensors hold, or no bucket that pays."""
+        """The bucket a prefill step runs in, or None where it runs eagerly: host-tier rows, more rows or a wider
+        table than the static tensors hold, more tokens than the largest bucket, or a bucket that does not pay."""
         if meta.has_cpu_rows or meta.context_lens.shape[0] > self.max_rows:
             return None
         if meta.block_tables.shape[1] > self.max_blocks_per_seq:
             return None
-        return self.bucket(num_tokens)
+        size = next((b for b in self.buckets if b >= num_tokens), None)
+        return size if size is not None and self.pays[size] else None
 
     @torch.inference_mode()
     def run(self, size: int, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -153,3 +149,26 @@ class PrefillGraphs:
         for graph in self.graphs.values():
             graph.reset()
         self.graphs, self.hidden, self.pool = {}, {}, None
+
+
+def prefill_graph_tokens(runner) -> int:
+    """The largest prefill step that replays a graph on this runner, 0 where none is captured: off CUDA, eager,
+    tensor-parallel (as decode), and on backends other than our Triton kernels, whose prefill attention takes its
+    grid from the step (flash-attn, torch)."""
+    cfg = runner.cfg
+    if runner.device.type != "cuda" or cfg.enforce_eager or runner.tp.size > 1 or runner.backend.name != "triton":
+        return 0
+    return min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens)
+
+
+def capture_prefill_graphs(runner) -> PrefillGraphs | None:
+    """The runner's prefill graphs, once its device pool is bound, or None (prefill_graph_tokens)."""
+    tokens = prefill_graph_tokens(runner)
+    if not tokens:
+        return None
+    from offload_engine.engine.cuda_streams import engine_stream
+
+    # On the device lane's capture stream: prefill steps run on that lane, never beside its decode graphs.
+    return PrefillGraphs(runner.model, tokens, runner.cfg.max_num_seqs,
+                         -(-runner.max_model_len // runner.cfg.block_size), runner.dtype, runner.device,
+                         engine_stream(runner.device, "capture-device"))
