@@ -77,8 +77,10 @@ def main(argv: list[str] | None = None) -> None:
 
     graphs = runner.prefill_graphs
     if graphs is not None:
-        print(f"prefill graphs: buckets {graphs.buckets}, eager launch {1e3 * graphs.launch_seconds:.1f} ms, replay "
-              f"(no attention) {({b: round(1e3 * t, 1) for b, t in graphs.replay_seconds.items()})} ms, pays "
+        # Measured at capture here (num_gpu_blocks is given); where the memory profile measured, these are empty.
+        launch = 1e3 * graphs.launch_seconds if graphs.launch_seconds else float("nan")
+        print(f"prefill graphs: buckets {graphs.buckets}, eager launch {launch:.1f} ms, GPU "
+              f"(no attention) {({b: round(1e3 * t, 1) for b, t in graphs.gpu_seconds.items()})} ms, pays "
               f"{[b for b, p in graphs.pays.items() if p]}; start-up {runner.startup_seconds.get('prefill_graphs')}")
     for rows in (1, 4):  # compile and tune the shapes first
         one_step(rows)

@@ -2,13 +2,15 @@
 
 On CUDA the pool is sized from the memory left after the model's own peak. A warmup prefill of the largest batch
 the scheduler can form runs through a temporary pool; what the model, its activations, the prefill graphs' pool
-(a prefill at their largest bucket) and the sampler (a full batch, once per lane) take at their peak, plus
+(a prefill at their largest bucket that pays) and the sampler (a full batch, once per lane) take at their peak, plus
 everything else already on the card, is subtracted from total memory x gpu_memory_utilization. The rest is the
 KV pool.
 """
+import contextlib
+
 import torch
 
-from offload_engine.engine.prefill_graphs import prefill_graph_tokens
+from offload_engine.engine.prefill_graphs import paying_prefill_tokens
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.sampler import largest_sampling_step, sample
 from offload_engine.sampling_params import SamplingParams
@@ -54,9 +56,10 @@ def profile_free_kv_bytes(runner) -> int:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     peak = prefill_peak_bytes(runner, cfg.max_num_batched_tokens)
-    # The prefill graphs' pool (prefill_graphs.py) keeps a prefill's activations at their largest bucket for good,
-    # beside what eager prefills take.
-    graph_tokens = prefill_graph_tokens(runner)
+    # The prefill graphs' pool (prefill_graphs.py) keeps a prefill's activations at their largest bucket that pays
+    # for good, beside what eager prefills take.
+    with temporary_device_pool(runner, 1):
+        graph_tokens = paying_prefill_tokens(runner)
     graphs = prefill_peak_bytes(runner, graph_tokens) if graph_tokens else 0
 
     # The sampler's peak for a full batch, once per decode lane: each lane samples on its own stream, and the
@@ -79,17 +82,24 @@ def prefill_peak_bytes(runner, tokens: int) -> int:
     allocated_before = torch.cuda.memory_allocated(device)
     seq_len = min(runner.max_model_len, tokens)
     num_seqs = max(1, min(cfg.max_num_seqs, tokens // seq_len))
-    pool = allocate_device_pool(runner.model_cfg, num_seqs * -(-seq_len // cfg.block_size), cfg.block_size,
-                                runner.dtype, runner.device)
-    pool_bytes = pool.nbytes
+    with temporary_device_pool(runner, num_seqs * -(-seq_len // cfg.block_size)) as pool_bytes:
+        run_dummy_prefill(runner, num_seqs, seq_len)
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - allocated_before - pool_bytes
+
+
+@contextlib.contextmanager
+def temporary_device_pool(runner, num_blocks: int):
+    """A device pool of num_blocks bound to the model while the block runs (it gets the pool's bytes), for
+    measuring before the real pool exists; unbound and freed after."""
+    pool = allocate_device_pool(runner.model_cfg, num_blocks, runner.cfg.block_size, runner.dtype, runner.device)
     runner.bind_kv_caches(layer_views(pool), None)
-    run_dummy_prefill(runner, num_seqs, seq_len)
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) - allocated_before - pool_bytes
-    del pool
-    runner.bind_kv_caches([(None, None)] * runner.model_cfg.num_layers, None)
-    torch.cuda.empty_cache()
-    return peak
+    try:
+        yield pool.nbytes
+    finally:
+        del pool
+        runner.bind_kv_caches([(None, None)] * runner.model_cfg.num_layers, None)
+        torch.cuda.empty_cache()
 
 
 @torch.inference_mode()

@@ -50,6 +50,7 @@ class ModelRunner:
         self.segment_tokens = 0
         self.decode_graphs: dict = {}
         self.prefill_graphs = None  # engine/prefill_graphs.py
+        self.paying_prefill_tokens = None  # their largest bucket, measured once (prefill_graphs.paying_prefill_tokens)
         self.dispatcher = GraphDispatcher(self.decode_graphs)  # which graph a step replays
         self.inputs = self.host_inputs = None
         self.streams: dict[str, torch.cuda.Stream] = {}

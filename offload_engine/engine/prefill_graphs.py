@@ -13,9 +13,12 @@ context lengths, tables and tiles are copied into the static tensors the graphs 
 (its padding up to the bucket) get slot -1 and no tile: they write no KV and no query of theirs is attended;
 every other op is row-wise, so their rows are never read. Logits are computed eagerly, for the sampled rows only.
 
-Whether a bucket pays is measured once its graph exists: the graph's replay without attention against an eager
-forward's launch time, which no eager step goes below. A bucket whose replay already takes longer (a large
-model, whose prefill the GPU and not the launches bounds) is left to eager steps, which carry no padding.
+Which buckets pay is measured before any graph is captured, and before the KV pool is sized (memory_profile.py):
+a bucket's forward, its launches queued behind a spin kernel so the GPU runs them back to back as a replay would,
+against an eager forward's launch time, which no eager step goes below. Buckets whose GPU time is past that (a
+large model, whose prefill the GPU and not the launches bounds: Qwen3-8B's past ~1.5k tokens) are left to eager
+steps, which carry no padding, and take no memory: the graphs' pool, which the KV pool gives up for good, is a
+prefill at the largest bucket that pays, not at `prefill_graph_tokens`.
 
 Steps with host-tier rows run eagerly: their attention stages host KV through the executor between layers.
 """
@@ -36,11 +39,24 @@ def token_buckets(largest: int) -> list[int]:
     return [size for size in _SIZES if size < largest] + [largest]
 
 
+def _spin_cycles_per_second(device: torch.device) -> float:
+    """How many cycles of torch.cuda._sleep's spin kernel run in a second on `device`."""
+    cycles = 10_000_000
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
 class PrefillGraphs:
     def __init__(self, model, max_tokens: int, max_rows: int, max_blocks_per_seq: int, dtype: torch.dtype,
-                 device: torch.device, capture_stream=None):
+                 device: torch.device, capture_stream=None, paying_tokens: int | None = None):
         """max_tokens: the largest bucket; max_rows: rows a step may have; capture_stream None: no graphs are
-        captured, and `run` goes through the same static tensors eagerly (CPU tests of everything but capture)."""
+        captured, and `run` goes through the same static tensors eagerly (CPU tests of everything but capture).
+        paying_tokens: the largest bucket worth a graph, as the memory profile measured it (None: measured here)."""
         from kernels.paged_prefill import query_tile_rows
 
         self.model, self.device = model, device
@@ -61,12 +77,15 @@ class PrefillGraphs:
         self.capture_stream, self.pool = capture_stream, None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
-        self.pays = {b: capture_stream is None for b in self.buckets}
-        self.launch_seconds, self.replay_seconds = None, {}  # what `pays` was decided from
+        self.pays = {b: True for b in self.buckets}
+        self.launch_seconds, self.gpu_seconds = None, {}  # what `pays` was decided from (largest_paying_bucket)
         if capture_stream is not None:
+            if paying_tokens is None:
+                paying_tokens = self.largest_paying_bucket()
+            self.pays = {b: b <= paying_tokens for b in self.buckets}
             for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
-                self._capture(size)
-            self._measure()
+                if self.pays[size]:
+                    self._capture(size)
 
     def _meta(self, size: int) -> AttentionMetadata:
         none = torch.empty(0, dtype=torch.int64)
@@ -90,26 +109,44 @@ class PrefillGraphs:
         torch.cuda.synchronize(self.device)
 
     @torch.inference_mode()
-    def _measure(self) -> None:
-        """pays[b]: the replay of b's graph (everything but attention: the static inputs hold no tile) is shorter
-        than the host time of launching an eager forward at the smallest bucket."""
-        launches = []
-        for _ in range(2):  # the first may still fill caches
+    def largest_paying_bucket(self) -> int:
+        """The largest bucket whose forward keeps the GPU busy for less time than an eager forward at the smallest
+        bucket takes to launch, 0 where none does. A step is padded up to its bucket, so a bucket past that replays
+        no faster than the eager step it would replace, and larger ones take longer still."""
+        self.launch_seconds = min(self._launch_seconds() for _ in range(2))  # the first may still fill caches
+        largest = 0
+        for size in self.buckets:
+            self._forward(size)  # compiles what this size needs, outside the timing
+            self.gpu_seconds[size] = min(self._gpu_seconds(size) for _ in range(2))
+            if self.gpu_seconds[size] >= self.launch_seconds:
+                break
+            largest = size
+        return largest
+
+    def _launch_seconds(self) -> float:
+        torch.cuda.synchronize(self.device)
+        began = time.perf_counter()
+        self._forward(self.buckets[0])
+        return time.perf_counter() - began
+
+    def _gpu_seconds(self, size: int) -> float:
+        """The GPU time of bucket `size`'s forward (everything but attention: the static inputs hold no tile), with
+        its launches queued behind a spin kernel, so the GPU runs them back to back as a graph's replay would.
+        The spin is lengthened until it outlasts the launches."""
+        cycles = max(1, int(2 * self.launch_seconds * _spin_cycles_per_second(self.device)))
+        for _ in range(4):
             torch.cuda.synchronize(self.device)
-            began = time.perf_counter()
-            self._forward(self.buckets[0])
-            launches.append(time.perf_counter() - began)
-        self.launch_seconds = min(launches)
-        for size, graph in self.graphs.items():
-            times = []
-            for _ in range(2):
-                torch.cuda.synchronize(self.device)
-                began = time.perf_counter()
-                graph.replay()
-                torch.cuda.synchronize(self.device)
-                times.append(time.perf_counter() - began)
-            self.replay_seconds[size] = min(times)
-            self.pays[size] = self.replay_seconds[size] < self.launch_seconds
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)
+            start.record()
+            self._forward(size)
+            end.record()
+            held = not start.query()  # the GPU was still spinning when the last launch was queued
+            end.synchronize()
+            if held:
+                break
+            cycles *= 4
+        return start.elapsed_time(end) / 1e3  # unheld after four tries: launch gaps included, an overestimate
 
     def fits(self, num_tokens: int, meta: AttentionMetadata) -> int | None:
         """The bucket a prefill step runs in, or None where it runs eagerly: host-tier rows, more rows or a wider
@@ -161,14 +198,29 @@ def prefill_graph_tokens(runner) -> int:
     return min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens)
 
 
+def paying_prefill_tokens(runner) -> int:
+    """The largest bucket worth a graph on this runner (PrefillGraphs.largest_paying_bucket), 0 where none is
+    captured. Measured once, by whichever asks first: the memory profile, which sizes the graphs' pool from it, or
+    the capture, where the pool was given (num_gpu_blocks). Needs a device pool bound; no KV is read or written."""
+    if runner.paying_prefill_tokens is None:
+        tokens = prefill_graph_tokens(runner)
+        runner.paying_prefill_tokens = _graphs(runner, tokens).largest_paying_bucket() if tokens else 0
+    return runner.paying_prefill_tokens
+
+
 def capture_prefill_graphs(runner) -> PrefillGraphs | None:
-    """The runner's prefill graphs, once its device pool is bound, or None (prefill_graph_tokens)."""
-    tokens = prefill_graph_tokens(runner)
+    """The runner's prefill graphs, once its device pool is bound, or None (no bucket pays, or prefill_graph_tokens
+    is 0 for this runner)."""
+    tokens = paying_prefill_tokens(runner)
     if not tokens:
         return None
     from offload_engine.engine.cuda_streams import engine_stream
 
     # On the device lane's capture stream: prefill steps run on that lane, never beside its decode graphs.
+    return _graphs(runner, tokens, engine_stream(runner.device, "capture-device"), paying_tokens=tokens)
+
+
+def _graphs(runner, tokens: int, capture_stream=None, paying_tokens: int | None = None) -> PrefillGraphs:
     return PrefillGraphs(runner.model, tokens, runner.cfg.max_num_seqs,
                          -(-runner.max_model_len // runner.cfg.block_size), runner.dtype, runner.device,
-                         engine_stream(runner.device, "capture-device"))
+                         capture_stream, paying_tokens)

@@ -98,6 +98,33 @@ def test_host_tier_rows_wide_tables_and_buckets_that_do_not_pay_run_eagerly(runn
     graphs.pays[largest] = True
 
 
+@pytest.mark.parametrize("launch_ms, paying, measured", [
+    (10.0, 512, [256, 512, 1024]),  # 1,024 tokens take 10.24 ms: it and every larger bucket are left to eager steps
+    (2.0, 0, [256]),  # no bucket pays: no graph, and no memory set aside for one
+    (100.0, 4096, [256, 512, 1024, 1536, 2048, 3072, 4096]),
+])
+def test_buckets_pay_up_to_the_first_whose_gpu_time_passes_an_eager_launch(runner_and_graphs, launch_ms, paying,
+                                                                           measured):
+    runner, _ = runner_and_graphs
+    graphs = PrefillGraphs(runner.model, 4096, 4, 8, runner.dtype, runner.device)
+    timed = []
+    graphs._forward = lambda size: None
+    graphs._launch_seconds = lambda: launch_ms / 1e3
+    graphs._gpu_seconds = lambda size: timed.append(size) or size * 1e-5
+    assert graphs.largest_paying_bucket() == paying
+    assert sorted(set(timed)) == measured
+
+
+def test_a_launch_bound_model_pays_at_every_bucket_measured_on_the_gpu(runner_and_graphs):
+    if TEST_DEVICE != "cuda":
+        pytest.skip("the measurement times CUDA kernels")
+    runner, _ = runner_and_graphs
+    graphs = PrefillGraphs(runner.model, 96, 4, 8, runner.dtype, runner.device)
+    # The tiny model's ~200 kernels take the GPU far less time than Python takes to launch them.
+    assert graphs.largest_paying_bucket() == 96
+    assert 0 < graphs.gpu_seconds[96] < graphs.launch_seconds
+
+
 def test_padded_static_steps_write_and_return_what_eager_ones_do(runner_and_graphs):
     runner, graphs = runner_and_graphs
     # Block boundaries (16, 17), one token, a chunk after a cached prefix (attends over 20 + 9), GQA (the tiny model).
@@ -145,5 +172,32 @@ def test_the_engine_replays_prefill_graphs_and_matches_transformers(qwen3_dir):
     dispatcher = llm.engine.runner.dispatcher
     assert dispatcher.steps("prefill", GraphMode.FULL) >= 2 and dispatcher.steps("prefill", GraphMode.NONE) >= 1
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 6)):
+        assert output.token_ids == ref
+    llm.close()
+
+
+def test_only_buckets_that_pay_are_captured_and_the_kv_pool_gives_up_only_their_memory(qwen3_dir, monkeypatch):
+    if TEST_DEVICE != "cuda":
+        pytest.skip("prefill graphs are captured on CUDA only")
+    from offload_engine.engine import memory_profile
+
+    measured, sized = [], []
+    monkeypatch.setattr(PrefillGraphs, "largest_paying_bucket", lambda self: measured.append(1) or 256)
+    peak = memory_profile.prefill_peak_bytes
+    monkeypatch.setattr(memory_profile, "prefill_peak_bytes", lambda runner, tokens: sized.append(tokens) or
+                        peak(runner, tokens))
+    # The pool is sized from the device's memory (no num_gpu_blocks): the profile measures which buckets pay, and
+    # the capture takes its answer.
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, attention_backend="triton", kv_placement="gpu", max_num_seqs=1,
+              max_model_len=512, max_num_batched_tokens=2048, prefill_graph_tokens=2048)
+    graphs = llm.engine.runner.prefill_graphs
+    assert measured == [1] and sized == [2048, 256]
+    assert sorted(graphs.graphs) == [256] and graphs.buckets == [256]
+    # One row a step: 200 tokens replay the 256 graph, 400 run eagerly; both decode as transformers does.
+    prompts = random_prompts((200, 400), 256, seed=43)
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    dispatcher = llm.engine.runner.dispatcher
+    assert dispatcher.steps("prefill", GraphMode.FULL) >= 1 and dispatcher.steps("prefill", GraphMode.NONE) >= 1
+    for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 4)):
         assert output.token_ids == ref
     llm.close()
