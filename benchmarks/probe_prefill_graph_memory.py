@@ -1,8 +1,8 @@
 """What the prefill graphs cost the device KV pool, and what they buy, per model (GPU host).
 
 Three engines a model, sized from the device's memory (`--gpu-memory-utilization`, 0.3 of an 80 GB card being a
-24 GB card's room), one after another (the first engine of a process finds more memory free than later ones, by
-0.2-0.5 GiB on the H100 host: run one mode a process to compare blocks):
+24 GB card's room), one after another in one process (before the memory profile claimed the lanes' cuBLAS
+workspaces, the first engine of a process found 0.2-0.5 GiB more free than later ones; now they agree within ~1%):
 - "paying": as the engine runs, the graphs' pool sized from the largest bucket that pays;
 - "every_bucket": as before 2026-11-25, every bucket captured and the pool sized from the largest, whatever pays
   (the measurement made to answer the largest bucket);

@@ -52,6 +52,7 @@ def profile_free_kv_bytes(runner) -> int:
     """Measured on the runner's own device, never the current one: a tensor-parallel rank 0 on cuda:i measures
     cuda:i whatever device the caller's thread has current."""
     cfg, device = runner.cfg, runner.device
+    claim_blas_workspaces(runner)
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
@@ -72,6 +73,25 @@ def profile_free_kv_bytes(runner) -> int:
     sampler = lanes * (torch.cuda.max_memory_allocated(device) - base)
     torch.cuda.empty_cache()
     return int(total * cfg.gpu_memory_utilization - (total - free) - peak - graphs - sampler)
+
+
+def claim_blas_workspaces(runner) -> None:
+    """cuBLAS makes a workspace for each stream on the stream's first product, and torch keeps it for the process
+    (cuda_streams.py). The lanes' streams would make theirs once the engine runs, after the pool is sized, and the
+    first engine of a process would overrun gpu_memory_utilization by them (0.2-0.5 GiB on the H100 host,
+    2026-11-25): made here, they count among what is already on the card."""
+    from offload_engine.engine.cuda_streams import engine_stream
+    from offload_engine.engine.host_step_graphs import few_sms
+
+    lanes = [("device", False), ("capture-device", False)]
+    if runner.host_pool is not None:
+        lanes += [("host", False), ("capture-host", True)]  # the host lane's graphs are captured on few SMs
+    weight = torch.ones(8, 8, dtype=runner.dtype, device=runner.device)
+    for name, narrow in lanes:
+        with torch.cuda.stream(engine_stream(runner.device, name)), few_sms(runner.device) if narrow else \
+                contextlib.nullcontext():
+            torch.nn.functional.linear(weight, weight)
+    torch.cuda.synchronize(runner.device)
 
 
 def prefill_peak_bytes(runner, tokens: int) -> int:
