@@ -3,8 +3,8 @@
 On CUDA the pool is sized from the memory left after the model's own peak. A warmup prefill of the largest batch
 the scheduler can form runs through a temporary pool; what the model, its activations, the prefill graphs' pool
 (a prefill at their largest bucket that pays) and the sampler (a full batch, once per lane) take at their peak, plus
-everything else already on the card, is subtracted from total memory x gpu_memory_utilization. The rest is the
-KV pool.
+everything else already on the card (the cuBLAS workspaces of the engine's streams included), is subtracted from
+total memory x gpu_memory_utilization. The rest is the KV pool.
 """
 import contextlib
 
@@ -88,8 +88,8 @@ def claim_blas_workspaces(runner) -> None:
         lanes += [("host", False), ("capture-host", True)]  # the host lane's graphs are captured on few SMs
     weight = torch.ones(8, 8, dtype=runner.dtype, device=runner.device)
     for name, narrow in lanes:
-        with torch.cuda.stream(engine_stream(runner.device, name)), few_sms(runner.device) if narrow else \
-                contextlib.nullcontext():
+        products = few_sms(runner.device) if narrow else contextlib.nullcontext()
+        with torch.cuda.stream(engine_stream(runner.device, name)), products:
             torch.nn.functional.linear(weight, weight)
     torch.cuda.synchronize(runner.device)
 
