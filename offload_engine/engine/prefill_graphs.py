@@ -79,6 +79,7 @@ class PrefillGraphs:
         self.hidden: dict[int, torch.Tensor] = {}
         self.pays = {b: True for b in self.buckets}
         self.launch_seconds, self.gpu_seconds = None, {}  # what `pays` was decided from (largest_paying_bucket)
+        self._spin_cycles = None  # of the spin that holds a measured forward's launches (_gpu_seconds)
         if capture_stream is not None:
             if paying_tokens is None:
                 paying_tokens = self.largest_paying_bucket()
@@ -133,7 +134,9 @@ class PrefillGraphs:
         """The GPU time of bucket `size`'s forward (everything but attention: the static inputs hold no tile), with
         its launches queued behind a spin kernel, so the GPU runs them back to back as a graph's replay would.
         The spin is lengthened until it outlasts the launches."""
-        cycles = max(1, int(2 * self.launch_seconds * _spin_cycles_per_second(self.device)))
+        if self._spin_cycles is None:  # calibrated once, for twice the launches' time
+            self._spin_cycles = max(1, int(2 * self.launch_seconds * _spin_cycles_per_second(self.device)))
+        cycles = self._spin_cycles
         for _ in range(4):
             torch.cuda.synchronize(self.device)
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

@@ -168,12 +168,7 @@ def test_the_engine_replays_prefill_graphs_and_matches_transformers(qwen3_dir):
     prompts = random_prompts((1, 17, 40, 30, 16, 300), 256, seed=41)
     llm = LLM(qwen3_dir, device=TEST_DEVICE, attention_backend="triton", kv_placement="gpu", num_gpu_blocks=64,
               max_num_seqs=2, max_num_batched_tokens=320, prefill_graph_tokens=128)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
-    dispatcher = llm.engine.runner.dispatcher
-    assert dispatcher.steps("prefill", GraphMode.FULL) >= 2 and dispatcher.steps("prefill", GraphMode.NONE) >= 1
-    for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 6)):
-        assert output.token_ids == ref
-    llm.close()
+    _check_generates(llm, qwen3_dir, prompts, max_tokens=6, graph_steps=2)
 
 
 def test_only_buckets_that_pay_are_captured_and_the_kv_pool_gives_up_only_their_memory(qwen3_dir, monkeypatch):
@@ -195,9 +190,16 @@ def test_only_buckets_that_pay_are_captured_and_the_kv_pool_gives_up_only_their_
     assert sorted(graphs.graphs) == [256] and graphs.buckets == [256]
     # One row a step: 200 tokens replay the 256 graph, 400 run eagerly; both decode as transformers does.
     prompts = random_prompts((200, 400), 256, seed=43)
-    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+    _check_generates(llm, qwen3_dir, prompts, max_tokens=4, graph_steps=1)
+
+
+def _check_generates(llm, model_dir, prompts, max_tokens: int, graph_steps: int) -> None:
+    """Greedy outputs equal to transformers', with at least graph_steps prefill steps on graphs and one eager; closes
+    the engine."""
+    outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens), use_tqdm=False)
     dispatcher = llm.engine.runner.dispatcher
-    assert dispatcher.steps("prefill", GraphMode.FULL) >= 1 and dispatcher.steps("prefill", GraphMode.NONE) >= 1
-    for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 4)):
+    assert dispatcher.steps("prefill", GraphMode.FULL) >= graph_steps
+    assert dispatcher.steps("prefill", GraphMode.NONE) >= 1
+    for output, ref in zip(outputs, hf_greedy(model_dir, prompts, max_tokens)):
         assert output.token_ids == ref
     llm.close()
