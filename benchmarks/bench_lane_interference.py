@@ -32,8 +32,8 @@ import torch
 
 from benchmarks.engine_run import random_prompts
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine import scheduler as scheduler_module
-from offload_engine.engine.deferred_tokens import DeferredTokens
+from offload_engine.engine.sched import scheduler as scheduler_module
+from offload_engine.engine.runner.deferred_tokens import DeferredTokens
 from offload_engine.engine.sequence import BlockLocation
 
 
@@ -56,10 +56,11 @@ def timed_runs(llm: LLM, cadence: bool = False, load: "BackgroundLoad | None" = 
     whether a host step (or the background load) was in flight while it ran. With cadence, a device decode
     step's wall time is the interval since the last device decode launch, and nothing waits for its tokens."""
     engine, records = llm.engine, []
-    run = engine.runner.run
+    steps = {(lane, is_prefill): getattr(engine.runner, name) for name, lane, is_prefill in STEPS}
     last_launch = [None]
 
     def timed(seqs, is_prefill, lane="device"):
+        run = lambda *_: steps[lane, is_prefill](seqs)
         busy = engine.in_flight is not None or (load is not None and load.running)
         wall, cpu = time.perf_counter(), time.thread_time()
         if cadence and lane == "device":
@@ -85,8 +86,12 @@ def timed_runs(llm: LLM, cadence: bool = False, load: "BackgroundLoad | None" = 
         records.append(record)
         return tokens
 
-    engine.runner.run = timed
+    for name, lane, is_prefill in STEPS:
+        setattr(engine.runner, name, lambda seqs, lane=lane, is_prefill=is_prefill: timed(seqs, is_prefill, lane))
     return records
+
+
+STEPS = (("prefill", "device", True), ("launch_device_decode", "device", False), ("decode_host", "host", False))
 
 
 @numba.njit(nogil=True, cache=True)
@@ -209,11 +214,11 @@ def main() -> None:
     args = parser.parse_args()
     path = model_dir(args.model, args.model_cache)
     if args.host_priority is not None:  # before the first engine makes the process's streams
-        from offload_engine.engine import cuda_streams
+        from offload_engine.engine.runner import cuda_streams
 
         cuda_streams.PRIORITIES["host"] = cuda_streams.PRIORITIES["capture-host"] = args.host_priority
     if args.host_sm_share is not None:
-        from offload_engine.engine import host_step_graphs
+        from offload_engine.engine.graphs import host_step_graphs
 
         host_step_graphs.SM_SHARE = args.host_sm_share
     result = {"label": args.label, "model": args.model, "device": device_slug(), "date": time.strftime("%Y-%m-%d"),

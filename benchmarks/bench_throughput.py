@@ -23,7 +23,7 @@ import torch
 from benchmarks.engine_run import measure, random_prompts
 from benchmarks.peers import hf_generate
 from benchmarks.workloads import PROFILES, BeyondVram, Profile, mixed_lengths
-from offload_engine.engine import placement as placement_rules
+from offload_engine.engine.sched import placement as placement_rules
 
 RESULTS = os.path.join(os.path.dirname(__file__), "results")
 
@@ -278,7 +278,7 @@ def part_name(profile: Profile, workloads: str, specs: list[BeyondVram]) -> str:
 
 
 def set_placement_constants(assignments: list[str]) -> dict[str, int | float]:
-    """Sets engine/placement.py's numeric constants from NAME=VALUE strings, before any work; returns them. A name
+    """Sets engine/sched/placement.py's numeric constants from NAME=VALUE strings, before any work; returns them. A name
     that is not such a constant, or a value of another type, is a ValueError that names what exists."""
     known = {name: value for name, value in vars(placement_rules).items()
              if name.isupper() and isinstance(value, (int, float)) and not isinstance(value, bool)}
@@ -324,7 +324,7 @@ def main(argv: list[str] | None = None) -> None:
     single.add_argument("--max-num-seqs", type=int, default=256)
     single.add_argument("--out", default=None, help="JSON path of a single run")
     single.add_argument("--set-placement", action="append", default=[], metavar="NAME=VALUE",
-                        help="run with one of engine/placement.py's constants changed (repeatable), for A/B runs "
+                        help="run with one of engine/sched/placement.py's constants changed (repeatable), for A/B runs "
                              "in one call, e.g. PROMOTION_HOLD_STEPS=0")
     args = parser.parse_args(argv)
     constants = set_placement_constants(args.set_placement)

@@ -16,7 +16,7 @@ import time
 from benchmarks.bench_throughput import model_dir
 from benchmarks.engine_run import random_prompts
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine.lane_stats import LaneStats
+from offload_engine.engine.sched.lane_stats import LaneStats
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -22,8 +22,8 @@ import torch
 
 from benchmarks.bench_throughput import model_dir
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine import memory_profile
-from offload_engine.engine.prefill_graphs import PrefillGraphs
+from offload_engine.engine.runner import memory_profile
+from offload_engine.engine.graphs.prefill_graphs import PrefillGraphs
 
 
 def prefill_step_ms(llm: LLM, rows: int, prompt_len: int, repeats: int) -> float:

@@ -8,7 +8,9 @@ import collections, json, os, statistics, sys, time, subprocess
 import torch
 from benchmarks.bench_throughput import model_dir
 from benchmarks.engine_run import measure, random_prompts
-from offload_engine.engine import model_runner, cuda_graphs, llm_engine
+from offload_engine.engine.runner import model_runner
+from offload_engine.engine.graphs import cuda_graphs
+from offload_engine.engine import llm_engine
 
 placement = sys.argv[1] if len(sys.argv) > 1 else "auto"
 blocks = int(sys.argv[2]) if len(sys.argv) > 2 else 3296

@@ -23,7 +23,7 @@ import torch
 from benchmarks.bench_lane_interference import force_placement, summarize, timed_runs
 from benchmarks.engine_run import random_prompts
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine.cuda_graphs import DecodeGraphs
+from offload_engine.engine.graphs.cuda_graphs import DecodeGraphs
 from offload_engine.layers import attention as attention_module
 
 STAGES = defaultdict(float)  # seconds per stage, summed over the case

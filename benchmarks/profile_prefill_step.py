@@ -15,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from benchmarks.bench_throughput import model_dir
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine import model_runner
+from offload_engine.engine.runner import model_runner
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,7 +11,9 @@ import argparse
 import collections, json, os, time, statistics
 from benchmarks.bench_throughput import model_dir
 from benchmarks.engine_run import measure, random_prompts
-from offload_engine.engine import model_runner, llm_engine, lane_stats
+from offload_engine.engine.runner import model_runner
+from offload_engine.engine import llm_engine
+from offload_engine.engine.sched import lane_stats
 
 host_steps = []  # (end time, rows, KV bytes, seconds, host work seconds, waits for the device)
 orig_host_step = llm_engine.LLMEngine._host_step
@@ -41,7 +43,7 @@ def timed(owner, name, key):
     setattr(owner, name, wrapper)
 timed(model_runner.ModelRunner, "promote", "promote")
 timed(model_runner.ModelRunner, "demote", "demote")
-from offload_engine.engine import pinned_ring
+from offload_engine.engine.tiers import pinned_ring
 from offload_engine.layers import attention
 timed(pinned_ring.PinnedRing, "_retire_oldest", "ring_wait")  # host-tier prefill writes falling behind
 timed(attention.Attention, "_stage_prefix", "stage_prefix")
@@ -68,7 +70,7 @@ model_runner.ModelRunner.run = run
 # Per device-lane decode step, CUDA events on its stream around its queued work: the GPU's time on the step, and
 # the gap before it in which the GPU waited for the host (async scheduling hides the host's work only while it is
 # shorter than the GPU's). Tagged with the step's rows and whether a host-lane step was in flight.
-from offload_engine.engine import device_decode
+from offload_engine.engine.runner import device_decode
 gpu_events, engines = [], []
 orig_launch = device_decode.DeviceLaneDecode.launch
 def launch(self, seqs, *a, **k):
@@ -94,7 +96,7 @@ def phase(owner, name):
                 phase_now[name] += time.perf_counter() - t
                 if name in ("promote", "demote"): move_calls.append((name, round(t, 5), round(time.perf_counter() - t, 5)))
     setattr(owner, name, wrapper)
-from offload_engine.engine import scheduler as scheduler_mod
+from offload_engine.engine.sched import scheduler as scheduler_mod
 for name in ("_take_host_step", "_land_promotions", "_promote", "_start_host_step", "_resolve_device_step"):
     phase(llm_engine.LLMEngine, name)
 for name in ("schedule_promotions", "schedule_prefill", "promotion_hold_back", "host_step_pays", "schedule_decode",

@@ -36,9 +36,9 @@ from types import SimpleNamespace
 
 from benchmarks.workloads import mixed_lengths
 from offload_engine.engine import llm_engine
-from offload_engine.engine.block_manager import BlockManager
-from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.scheduler import Scheduler
+from offload_engine.engine.sched.block_manager import BlockManager
+from offload_engine.engine.sched.lane_stats import LaneStats
+from offload_engine.engine.sched.scheduler import Scheduler
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.sampling_params import SamplingParams
 
@@ -65,7 +65,7 @@ class CostModel:
     kv_bytes: int  # KV bytes per token
     host_prefill_s_per_tok: float = 0.0  # what a host-tier prompt token's prefill takes beyond a device-tier one's
     prefill_fixed_s: float = 0.0  # ...but no less than this a step (its eager launches: the engine thread's time)
-    # Prefill steps of device-tier rows up to this many tokens replay a CUDA graph (engine/prefill_graphs.py) and
+    # Prefill steps of device-tier rows up to this many tokens replay a CUDA graph (engine/graphs/prefill_graphs.py) and
     # take graph_prefill_fixed_s + tokens / graph_prefill_tok_s instead (0: every step is eager).
     graph_prefill_tokens: int = 0
     graph_prefill_fixed_s: float = 0.0
@@ -219,7 +219,7 @@ class FakeHostLane:
 
 
 class FakeDeferred:
-    """A device-lane step's tokens as the engine reads them a step late (engine/deferred_tokens.py): reading them
+    """A device-lane step's tokens as the engine reads them a step late (engine/runner/deferred_tokens.py): reading them
     waits, on the clock, until the GPU is done with the step."""
 
     def __init__(self, clock: SimClock, seqs: list[Sequence], launched: float, done_at: float):
@@ -253,16 +253,17 @@ class FakeRunner:
         self.gpu_free_at = max(self.gpu_free_at, self.clock.now) + seconds
         return self.gpu_free_at
 
-    def run(self, batch: list[Sequence], is_prefill: bool, lane: str = "device"):
-        if is_prefill:
-            host = sum(seq.num_scheduled_tokens for seq in batch if seq.location == BlockLocation.CPU)
-            tokens = sum(seq.num_scheduled_tokens for seq in batch)
-            if not host and tokens <= self.cost.graph_prefill_tokens:
-                seconds = self.cost.graph_prefill_fixed_s + tokens / self.cost.graph_prefill_tok_s
-            else:
-                seconds = max(self.cost.prefill_fixed_s, tokens / self.cost.prefill_tok_s)
-            self.clock.now = self._gpu(seconds + host * self.cost.host_prefill_s_per_tok)
-            return [1] * len(batch)
+    def prefill(self, batch: list[Sequence]) -> list[int]:
+        host = sum(seq.num_scheduled_tokens for seq in batch if seq.location == BlockLocation.CPU)
+        tokens = sum(seq.num_scheduled_tokens for seq in batch)
+        if not host and tokens <= self.cost.graph_prefill_tokens:
+            seconds = self.cost.graph_prefill_fixed_s + tokens / self.cost.graph_prefill_tok_s
+        else:
+            seconds = max(self.cost.prefill_fixed_s, tokens / self.cost.prefill_tok_s)
+        self.clock.now = self._gpu(seconds + host * self.cost.host_prefill_s_per_tok)
+        return [1] * len(batch)
+
+    def launch_device_decode(self, batch: list[Sequence]) -> "FakeDeferred":
         host_busy = self.engine.in_flight is not None
         slower = self.cost.busy_factor(self.engine.host_step_seconds) if host_busy else 1.0
         done_at = self._gpu(self.cost.device_step_seconds(len(batch), sum(map(len, batch))) * slower)

@@ -14,7 +14,10 @@ import time
 
 from benchmarks.bench_throughput import model_dir
 from benchmarks.engine_run import measure, random_prompts
-from offload_engine.engine import llm_engine, model_runner, placement, scheduler
+from offload_engine.engine import llm_engine
+from offload_engine.engine.runner import model_runner
+from offload_engine.engine.sched import placement
+from offload_engine.engine.sched import scheduler
 from offload_engine.engine.sequence import BlockLocation
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU

@@ -1,6 +1,6 @@
 """A whole host-lane decode step on the executor: `decode_layers` runs each layer as the device hands it over.
 
-The device side is one CUDA graph per batch size (engine/host_step_graphs.py). Per layer it copies q and the new
+The device side is one CUDA graph per batch size (engine/graphs/host_step_graphs.py). Per layer it copies q and the new
 K/V into pinned host buffers, opens gate 0 of the layer, and waits on gate 1 before it copies the attention
 output back. This side runs every layer in one native call, without the GIL: a step costs two GIL hand-offs in
 all instead of several per layer on two threads.

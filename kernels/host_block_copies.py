@@ -10,7 +10,7 @@ every layer, K and V.
   are left as they are: nothing reads a host block past its sequence's length, and the host lane writes the next
   tokens there);
 - write_host_blocks_whole: one layer's K and V of a prefill step -> whole host blocks of that layer (a host-tier
-  prompt's KV, engine/host_block_writes.py), padding rows zeroed. One launch a layer: the torch ops it replaced
+  prompt's KV, layers/host_block_writes.py), padding rows zeroed. One launch a layer: the torch ops it replaced
   (index_select, index_fill_, a transposing copy and index_copy_, for K and V, with their allocations and
   record_stream) were ~14 calls a layer, most of the ~14 ms by which a 1,024-token host-tier prompt's prefill
   outlasted a device-tier one's at the 0.6B shape, whose prefill step is launch-bound (16 ms, 3.3 of them on the

@@ -15,7 +15,7 @@ so query heads of one kv head are separate programs and share K/V through L2 (ad
 With `tiles` (int32 [G, 2]: each query tile's (sequence, tile index), -1 past the last; `prefill_tiles` builds
 it) the grid is (G, Hq) instead and every program reads its tile there. The grid then depends on no Python value
 of the step, so a CUDA graph can hold the kernel and replay it on any batch whose tiles fit G
-(engine/prefill_graphs.py).
+(engine/graphs/prefill_graphs.py).
 """
 import numpy as np
 import torch

@@ -1,11 +1,22 @@
-"""offload-engine: LLM inference with a GPU KV tier and a pinned-host KV tier."""
-from offload_engine.engine.hardware_queues import widen_hardware_queues
+"""offload-engine: LLM inference with a GPU KV tier and a pinned-host KV tier.
 
-widen_hardware_queues()  # before anything creates the CUDA context: see engine/hardware_queues.py
+The public names load on first use, so that `import offload_engine` (and the torch-free policy modules under
+`offload_engine.engine.sched`) does not import torch.
+"""
+from offload_engine.engine.graphs.hardware_queues import widen_hardware_queues
 
-from offload_engine.config import EngineConfig  # noqa: E402
-from offload_engine.llm import LLM  # noqa: E402
-from offload_engine.outputs import RequestOutput  # noqa: E402
-from offload_engine.sampling_params import SamplingParams  # noqa: E402
+widen_hardware_queues()  # before anything creates the CUDA context: see engine/graphs/hardware_queues.py
 
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "EngineConfig"]
+_PUBLIC = {"LLM": "offload_engine.llm", "SamplingParams": "offload_engine.sampling_params",
+           "RequestOutput": "offload_engine.outputs", "EngineConfig": "offload_engine.config"}
+__all__ = list(_PUBLIC)
+
+
+def __getattr__(name: str):
+    if name not in _PUBLIC:
+        raise AttributeError(f"module 'offload_engine' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(_PUBLIC[name]), name)
+    globals()[name] = value
+    return value

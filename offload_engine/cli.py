@@ -7,7 +7,10 @@ a bug in the engine. The demo exits 1 when its greedy check against transformers
 """
 import argparse
 import json
+import os
+import subprocess
 import sys
+from pathlib import Path
 
 from offload_engine.config import KV_PLACEMENTS
 
@@ -61,12 +64,22 @@ def _run(args) -> bool:
         summary = run_demo(args.requests, args.prompt_len, args.max_tokens, args.device)
         return summary["greedy_matches"] != summary["greedy_requests"]
     if args.command == "bench":
-        from benchmarks.bench_throughput import run_suite
-
-        run_suite(args.profile, args.workloads, "/tmp/offload_engine_models", args.out_dir)
-        return False
+        return _bench(args)
     _generate(args)
     return False
+
+
+def _bench(args) -> bool:
+    """Runs the suite (benchmarks/bench_throughput.py) as its own program. It lives in the source checkout beside
+    the package, not in the package: the installed engine does not depend on it."""
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "benchmarks" / "bench_throughput.py").is_file():
+        raise OSError(f"offload-engine bench runs the suite of a source checkout, and {root / 'benchmarks'} has none: "
+                      "clone the repository and install it with `pip install -e .` (or run `make bench` there)")
+    command = [sys.executable, "-m", "benchmarks.bench_throughput", "suite", "--profile", args.profile,
+               "--workloads", args.workloads, *(["--out-dir", str(Path(args.out_dir).resolve())] if args.out_dir else [])]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run(command, env=env).returncode != 0
 
 
 def _generate(args) -> None:

@@ -112,12 +112,12 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
-    # Tokens of one layer-major prefill step of a host-tier or split prompt (engine/prefill_segment.py);
+    # Tokens of one layer-major prefill step of a host-tier or split prompt (engine/runner/prefill_segment.py);
     # None: as many as half the device memory free after start-up holds.
     prefill_segment_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    # Prefill steps of device-tier rows up to this many tokens replay CUDA graphs (engine/prefill_graphs.py), at
+    # Prefill steps of device-tier rows up to this many tokens replay CUDA graphs (engine/graphs/prefill_graphs.py), at
     # most max_num_batched_tokens; 0: prefill runs eagerly. Their memory comes out of the KV pool's share.
     prefill_graph_tokens: int = 8192
     # The device lane queues its next decode step before reading this one's tokens (engine/llm_engine.py).

@@ -84,7 +84,7 @@ def _host_lane_always_pays(request, monkeypatch):
     "pays" to exercise the paths they are about; tests marked `real_cost_check`, and tests/engine/
     test_lane_costs.py (which calls the function itself), check the rule."""
     if "real_cost_check" not in request.keywords:
-        from offload_engine.engine import placement
+        from offload_engine.engine.sched import placement
 
         monkeypatch.setattr(placement, "host_lane_pays", lambda *args, **kwargs: True)
         monkeypatch.setattr(placement, "host_step_pays", lambda host_rows, *args: bool(host_rows))

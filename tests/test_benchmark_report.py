@@ -111,7 +111,7 @@ def test_the_ratio_panel_plots_auto_over_gpu_and_over_the_ideal_at_each_budgets_
 
 def test_placement_constants_are_set_by_name_and_checked_before_any_work(monkeypatch):
     from benchmarks.bench_throughput import set_placement_constants
-    from offload_engine.engine import placement
+    from offload_engine.engine.sched import placement
 
     monkeypatch.setattr(placement, "PROMOTION_HOLD_STEPS", placement.PROMOTION_HOLD_STEPS)  # restored afterwards
     monkeypatch.setattr(placement, "HOST_PROBE_STEPS", placement.HOST_PROBE_STEPS)

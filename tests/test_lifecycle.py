@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine import model_runner
+from offload_engine.engine.runner import model_runner
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
@@ -89,7 +89,7 @@ def test_an_engine_that_fails_to_start_releases_what_it_made(qwen3_dir, monkeypa
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="device memory is only measured on CUDA")
 def test_engines_made_one_after_another_give_device_memory_back(qwen3_dir):
     """The first engine in a process leaves what torch keeps for the whole process (cuBLAS workspaces of the
-    engine's streams, engine/cuda_streams.py); every later one gives back all it took."""
+    engine's streams, engine/runner/cuda_streams.py); every later one gives back all it took."""
     with _two_tier_engine(qwen3_dir) as llm:
         _check_generates(llm, qwen3_dir, seed=81)
     torch.cuda.empty_cache()

@@ -14,7 +14,7 @@ def make_runner(model_dir: str, model_cfg, cfg, dtype, max_model_len: int):
     """The engine's runner: a ModelRunner for one rank (exactly the single-process engine), else rank 0's
     TensorParallelRunner, which starts and drives the others."""
     if cfg.tensor_parallel_size == 1:
-        from offload_engine.engine.model_runner import ModelRunner
+        from offload_engine.engine.runner.model_runner import ModelRunner
 
         return ModelRunner(model_dir, model_cfg, cfg, dtype, max_model_len)
     from offload_engine.distributed.tp_runner import TensorParallelRunner

@@ -23,7 +23,7 @@ from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
 from offload_engine.distributed.wire import Call, pack_moves, pack_seqs
 from offload_engine.distributed.workers import STOP_TIMEOUT, WorkerError, WorkerGroup
-from offload_engine.engine.model_runner import ModelRunner
+from offload_engine.engine.runner.model_runner import ModelRunner
 
 
 class TensorParallelRunner:
@@ -41,7 +41,6 @@ class TensorParallelRunner:
         self.broken: BaseException | None = None  # set by the first failure: the ranks may be out of step
         self.closed = False
         self.finished = {lane: 0 for lane in parallel_state.LANES}  # calls rank 0 has finished, per lane
-        self.device_decode = _MirroredDecode(self)
         try:
             self.workers = WorkerGroup(size, dict(model_dir=model_dir, cfg=cfg, dtype=dtype,
                                                   max_model_len=max_model_len))
@@ -66,9 +65,25 @@ class TensorParallelRunner:
         return getattr(runner, name)
 
     # ---- the calls every rank makes ----------------------------------------------------------------------
-    def run(self, seqs, is_prefill: bool, lane: str = "device"):
-        return self._mirror(lane, Call("run", (pack_seqs(seqs), is_prefill, lane), self.finished[_other(lane)]),
-                            lambda: self.runner.run(seqs, is_prefill, lane))
+    def prefill(self, seqs):
+        return self._step("prefill", "device", seqs)
+
+    def decode_host(self, seqs):
+        return self._step("decode_host", "host", seqs)
+
+    def launch_device_decode(self, seqs):
+        return self._step("launch_device_decode", "device", seqs)
+
+    def forget_device_step(self) -> None:
+        """LLMEngine.abort: the device lane's step in flight is dropped on every rank (after a failure, rank 0's)."""
+        if self.broken is not None:
+            return self.runner.forget_device_step()
+        self._mirror("device", Call("forget_device_step", (), self.finished["host"]), self.runner.forget_device_step)
+
+    def _step(self, method: str, lane: str, seqs):
+        """One step of `lane` on every rank; rank 0's result."""
+        return self._mirror(lane, Call(method, (pack_seqs(seqs),), self.finished[_other(lane)]),
+                            lambda: getattr(self.runner, method)(seqs))
 
     def promote(self, moves):
         return self._mirror("device", Call("promote", (pack_moves(moves),), self.finished["host"]),
@@ -131,19 +146,6 @@ class TensorParallelRunner:
         if self.workers is not None:
             # After a failure a worker may be stuck in a collective with a rank that has gone: not waited for long.
             self.workers.join(patience=STOP_TIMEOUT if clean else 5.0)
-
-
-class _MirroredDecode:
-    """runner.device_decode as the engine uses it: forget() drops the device lane's step in flight on every rank."""
-
-    def __init__(self, tp_runner: TensorParallelRunner):
-        self.tp_runner = tp_runner
-
-    def forget(self) -> None:
-        tp = self.tp_runner
-        if tp.broken is not None:
-            return tp.runner.device_decode.forget()
-        tp._mirror("device", Call("forget", (), tp.finished["host"]), tp.runner.device_decode.forget)
 
 
 def _other(lane: str) -> str:

@@ -13,7 +13,7 @@ the call; rank 0's scheduler goes on changing its sequences afterwards.
 
 On a worker each sequence is one object for as long as anything holds it (SequenceMirror), updated in place from
 each snapshot, as rank 0's sequences are by its scheduler: the device lane's persistent input batch keeps its rows'
-sequence objects from step to step (engine/input_batch.py) and reads their new lengths and tokens from them.
+sequence objects from step to step (engine/runner/input_batch.py) and reads their new lengths and tokens from them.
 """
 import dataclasses
 import json

@@ -113,11 +113,16 @@ class _Mirror:
         except BaseException:  # noqa: BLE001 - whatever it is, rank 0 must hear of it
             reporter.fail(doing)
 
-    def run(self, seqs, is_prefill: bool, lane: str) -> None:
+    def prefill(self, seqs) -> None:
+        self.runner.prefill(self.seqs.unpack_seqs(seqs))
+
+    def decode_host(self, seqs) -> None:
+        self.runner.decode_host(self.seqs.unpack_seqs(seqs))
+
+    def launch_device_decode(self, seqs) -> None:
         seqs = self.seqs.unpack_seqs(seqs)
-        if lane == "device" and not is_prefill:
-            self._after_own_promotions(seqs)
-        self.runner.run(seqs, is_prefill, lane)
+        self._after_own_promotions(seqs)
+        self.runner.launch_device_decode(seqs)
 
     def promote(self, moves) -> None:
         moves = self.seqs.unpack_moves(moves)
@@ -134,8 +139,8 @@ class _Mirror:
     def drain_host_work(self) -> None:
         self.runner.drain_host_work()
 
-    def forget(self) -> None:
-        self.runner.device_decode.forget()
+    def forget_device_step(self) -> None:
+        self.runner.forget_device_step()
 
     def _after_own_promotions(self, seqs) -> None:
         """On CUDA a promotion's copy runs beside the device lane (ModelRunner.promote), and rank 0's engine keeps
@@ -158,7 +163,7 @@ def worker_main(rank: int, size: int, spec_json: str, lanes: dict[str, Connectio
     spec = WorkerSpec.from_json(spec_json)
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
     try:
-        from offload_engine.engine.model_runner import ModelRunner
+        from offload_engine.engine.runner.model_runner import ModelRunner
 
         device = spec.device(rank)
         if device.type == "cuda":

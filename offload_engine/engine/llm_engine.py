@@ -7,12 +7,12 @@ while one host-tier step is in flight, many device-tier steps (and prefills) go 
 taken in by whichever step finds it done. All scheduling happens on the engine's thread; a sequence in
 flight is left alone until it comes back.
 
-Sequences move between the lanes (engine/placement.py decides): a device-tier sequence that the device pool
+Sequences move between the lanes (engine/sched/placement.py decides): a device-tier sequence that the device pool
 has no room for is demoted into the host lane, and host-tier sequences that are not in flight are promoted
 into freed device room before new requests take it, so the device lane stays as full as under "gpu" and
 never idles while the host lane decodes the tail of a batch. Host sequences that room is about to free up
 for sit out the next host step (Scheduler.promotion_hold_back), so they are at hand when it does, except
-where a host step holds the executor from start to end (engine/host_step_graphs.py) and a promotion would need
+where a host step holds the executor from start to end (engine/graphs/host_step_graphs.py) and a promotion would need
 it (ModelRunner.promotes_beside_host_steps); there promotions happen between host steps. On CUDA a promotion's
 copy runs beside the device lane's steps, a group of sequences at a time, and each group sits out both lanes
 until its copy has landed (ModelRunner.promote). Both
@@ -27,7 +27,7 @@ row that finished at step N has computed one more token in step N+1, which is dr
 step in flight first.
 
 Prefill/decode separation (`prefill_device`): device-tier prompts are prefilled on another device, on a "prefill
-lane" thread (engine/prefill_lane.py), and their KV crosses to this one once (engine/kv_handoff.py). The engine's
+lane" thread (engine/disagg/prefill_lane.py), and their KV crosses to this one once (engine/disagg/kv_handoff.py). The engine's
 thread keeps stepping both decode lanes meanwhile, and takes a prompt in, as a row that decodes, once its KV has
 landed.
 """
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import make_runner
 from offload_engine.engine import gc_heap
-from offload_engine.engine.block_manager import BlockManager
-from offload_engine.engine.lane_stats import LaneStats
-from offload_engine.engine.move_staging import split_moves
-from offload_engine.engine.placement import can_ever_fit
-from offload_engine.engine.prefill_lane import PrefillLane
-from offload_engine.engine.scheduler import Scheduler
+from offload_engine.engine.sched.block_manager import BlockManager
+from offload_engine.engine.sched.lane_stats import LaneStats
+from offload_engine.engine.tiers.move_staging import split_moves
+from offload_engine.engine.sched.placement import can_ever_fit
+from offload_engine.engine.disagg.prefill_lane import PrefillLane
+from offload_engine.engine.sched.scheduler import Scheduler
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 
@@ -154,7 +154,7 @@ class LLMEngine:
 
     def _start_promotions(self) -> tuple[list[tuple[Sequence, list[int]]], float]:
         """Host-tier sequences take freed device room before new requests do, as "gpu" re-admits its preempted
-        sequences first (engine/placement.py). Returns the moves started and the engine thread's time starting
+        sequences first (engine/sched/placement.py). Returns the moves started and the engine thread's time starting
         them (LaneStats.move_done).
 
         Where promotions need the executor, which a whole-step host loop holds until its step is back, they happen
@@ -175,7 +175,7 @@ class LLMEngine:
         began = time.perf_counter()
         num_tokens = sum(s.num_scheduled_tokens for s in batch)
         host_tokens = sum(s.num_scheduled_tokens for s in batch if s.location == BlockLocation.CPU)
-        sampled = self.runner.run(batch, is_prefill=True)
+        sampled = self.runner.prefill(batch)
         self.stats.prefill_done(num_tokens, host_tokens, time.perf_counter() - began)
         finished += self.scheduler.postprocess(batch, sampled)
         return StepStats(True, num_tokens, time.perf_counter() - start, finished)
@@ -204,7 +204,7 @@ class LLMEngine:
         """Queues a device-lane decode step, then reads the one before it (the GPU has this one queued behind it);
         without async scheduling, this one too. Returns the rows finished. `moved`: the tokens and engine-thread
         seconds of this step's moves; a step beside KV copies is not timed as a quiet one."""
-        launched = self.runner.run(batch, is_prefill=False)
+        launched = self.runner.launch_device_decode(batch)
         self.scheduler.launched(launched.seqs)
         copying = copying or bool(self.promoting) or (self.prefill is not None and self.prefill.landing)
         launched.host_busy, launched.quiet, launched.moved = self.in_flight is not None, not copying, moved
@@ -239,7 +239,7 @@ class LLMEngine:
 
     def _schedule_prefill(self) -> list[Sequence]:
         """The prompt chunks to run on this device now. With a prefill lane, its rows go there instead, one batch
-        at a time (engine/prefill_lane.py), and the decode lanes step below while it computes."""
+        at a time (engine/disagg/prefill_lane.py), and the decode lanes step below while it computes."""
         if self.prefill is None:
             return self.scheduler.schedule_prefill()
         return [] if self.prefill.computing else self.prefill.submit(self.scheduler.schedule_prefill())
@@ -314,7 +314,7 @@ class LLMEngine:
     def _host_step(self, batch: list[Sequence]) -> list[int]:
         """One host-lane decode step, on the host lane's thread, timed for the cost check."""
         began = time.perf_counter()
-        tokens = self.runner.run(batch, False, "host")
+        tokens = self.runner.decode_host(batch)
         self.host_step_seconds = time.perf_counter() - began
         self.stats.host_step(sum(map(len, batch)) * self.stats.kv_bytes_per_token, self.host_step_seconds,
                              self.runner.host_kernel_seconds["host"])
@@ -343,7 +343,7 @@ class LLMEngine:
         if self.pending is not None:
             self.pending.wait()
             self.pending = None
-            self.runner.device_decode.forget()
+            self.runner.forget_device_step()
         self.runner.drain_host_work()  # promotions' copies included
         if self.prefill is not None:
             self.prefill.abort()  # its step and its copies write both pools

@@ -32,10 +32,10 @@ class Sequence:
         self.params = params
         self.budget = budget  # the most tokens it can ever hold: prompt + max_tokens, capped at max_model_len
         self.status = SequenceStatus.WAITING
-        self.location: BlockLocation | None = None  # where its KV lives now (engine/placement.py decides)
+        self.location: BlockLocation | None = None  # where its KV lives now (engine/sched/placement.py decides)
         self.admitted_to: BlockLocation | None = None  # the tier chosen at admission, kept for the output
-        self.promoted = False  # its KV moved from the host tier to the device pool (engine/kv_promotion.py)
-        self.demoted = False  # its KV moved from the device pool to the host tier (engine/kv_demotion.py)
+        self.promoted = False  # its KV moved from the host tier to the device pool (engine/tiers/kv_promotion.py)
+        self.demoted = False  # its KV moved from the device pool to the host tier (engine/tiers/kv_demotion.py)
         self.block_table: list[int] = []  # block ids in its tier's pool (a split sequence: its host part's)
         # A split sequence (DESIGN.md, "Sequences across both tiers") lives on the host tier with the KV of its
         # first num_device_tokens tokens in these device blocks; block_table holds the rest, from that token on.

@@ -13,7 +13,7 @@ import time
 import torch
 from torch import nn
 
-from offload_engine.engine.host_block_writes import write_host_blocks
+from offload_engine.layers.host_block_writes import write_host_blocks
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
 
 
@@ -29,7 +29,7 @@ class Attention(nn.Module):
         self.ring = None  # engine.pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic to the host
         self.copy_stream = None  # with the ring: where host-tier prefill K/V cross to it, beside the layer's compute
         # The host tier as the device addresses it (the pinned pool mapped on CUDA, the pool itself on the CPU), or
-        # None: where host-tier prefill writes whole host blocks (engine/host_block_writes.py).
+        # None: where host-tier prefill writes whole host blocks (layers/host_block_writes.py).
         self.k_cache_mapped = self.v_cache_mapped = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -159,7 +159,7 @@ class Attention(nn.Module):
         return staged
 
     def stage_segment(self, segment) -> list[torch.Tensor]:
-        """A layer's staging cache for a layer-major prefill segment (engine/prefill_segment.py), in token order:
+        """A layer's staging cache for a layer-major prefill segment (engine/runner/prefill_segment.py), in token order:
         staging block j holds the sequence's tokens [j * cpu_block_size, (j + 1) * cpu_block_size). The device
         part of a split sequence and the host prefix before the segment are staged once; the segment's chunks
         write their own K/V into it as they go (attend_segment_chunk)."""
@@ -232,7 +232,7 @@ class Attention(nn.Module):
         out, lse = self.backend.paged_prefill_attention(q, *caches, as_int32([[0, 1]]), as_int32([0, tokens]),
                                                         as_int32([tokens]), self.scale, tokens)
         self.backend.merge_attn_states(out, lse, out, lse)
-        if self.k_cache_mapped is not None and k.is_cuda:  # the whole-block writes (engine/host_block_writes.py)
+        if self.k_cache_mapped is not None and k.is_cuda:  # the whole-block writes (layers/host_block_writes.py)
             from kernels.host_block_copies import write_host_blocks_whole
 
             pools = [torch.empty(1, num_kv_heads, block_size, head_dim, device=device, dtype=dtype) for _ in range(2)]

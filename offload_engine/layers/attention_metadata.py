@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from offload_engine.engine.host_block_writes import HostBlockWrites
+from offload_engine.layers.host_block_writes import HostBlockWrites
 
 
 @dataclass
@@ -32,7 +32,7 @@ class PrefixStaging:
     context_lens: torch.Tensor  # device int32 [B]: KV length of CPU-tier rows (prefix + chunk), 0 otherwise
     # The CPU-tier tokens whose K/V cross to the host through the executor: their indices (device; None: every
     # token of the step) and host slots. Where the device writes the host pool itself, only those of blocks an
-    # earlier step began (engine/host_block_writes.py).
+    # earlier step began (layers/host_block_writes.py).
     host_token_indices: torch.Tensor | None
     host_token_slots: torch.Tensor | None
     block_writes: HostBlockWrites | None = None  # the host blocks the device writes whole
@@ -57,10 +57,10 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     max_seqlen_q: int = 0
     staging: PrefixStaging | None = None
-    # Prefill inside a CUDA graph (engine/prefill_graphs.py): the device rows' query tiles, which fix the attention
+    # Prefill inside a CUDA graph (engine/graphs/prefill_graphs.py): the device rows' query tiles, which fix the attention
     # kernel's grid whatever the step's rows (kernels.paged_prefill.prefill_tiles); None: a grid over max_seqlen_q.
     prefill_tiles: torch.Tensor | None = None
     # Host-pool writes still running on the CPU executor; the runner tracks them (ModelRunner.check_host_writes).
     pending_host_writes: list[Future] = field(default_factory=list)
-    # Decode: seconds each layer's CPU kernels took on the executor, for the cost check (engine/lane_stats.py).
+    # Decode: seconds each layer's CPU kernels took on the executor, for the cost check (engine/sched/lane_stats.py).
     host_kernel_seconds: list[float] = field(default_factory=list)

@@ -104,7 +104,7 @@ class LlamaModel(nn.Module):
 
     # The forward pass in segments that meet only at attention: `begin`, then `between` each pair of layers,
     # then `end`. Eagerly they simply run in turn; the decode CUDA graphs capture each segment and run
-    # attention, which may cross to the host tier, between the replays (engine/cuda_graphs.py).
+    # attention, which may cross to the host tier, between the replays (engine/graphs/cuda_graphs.py).
     # kv_slots: the device slot mapping where the rotation stores K/V (forward only; see project_qkv).
     def begin(self, token_ids, positions, kv_slots=None):
         return self.layers[0].pre_attention(positions, self.embed_tokens(token_ids), None, kv_slots)

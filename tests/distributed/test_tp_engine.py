@@ -18,7 +18,7 @@ NEW_TOKENS = 10
 ENGINES = {
     # 14 blocks of budget for 7: rows are preempted and recomputed; prompts over 24 tokens prefill in chunks.
     "gpu": dict(num_gpu_blocks=7, max_num_batched_tokens=24),
-    # A 130-token prompt runs in layer-major segments of 100 tokens, in chunks of 40 (engine/prefill_segment.py).
+    # A 130-token prompt runs in layer-major segments of 100 tokens, in chunks of 40 (engine/runner/prefill_segment.py).
     "cpu": dict(num_gpu_blocks=4, num_cpu_blocks=32, cpu_block_size=32, max_num_batched_tokens=40,
                 prefill_segment_tokens=100),
     # Rows outgrow the 8-block device pool (demoted) and move back up once room frees (promoted); a 150-token

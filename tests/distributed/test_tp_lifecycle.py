@@ -72,7 +72,7 @@ def test_a_worker_error_surfaces_on_rank_0(qwen3_dir):
     llm = _engine(qwen3_dir)
     workers = _workers(llm)
     tp = llm.engine.runner
-    bad = Call("run", (["not a sequence"], True, "device"), tp.finished["host"])
+    bad = Call("prefill", (["not a sequence"],), tp.finished["host"])
     with pytest.raises(WorkerError, match=r"rank 1 failed(.|\n)*ValueError"):
         tp._mirror("device", bad, lambda: parallel_state.all_reduce(torch.ones(1)))
     with pytest.raises(WorkerError, match="close this LLM"):

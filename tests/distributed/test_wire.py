@@ -36,11 +36,11 @@ def test_calls_round_trip_through_json():
     rng = random.Random(7)
     seqs = [_random_sequence(rng) for _ in range(6)]
     mirror = SequenceMirror()
-    for call in (Call("run", (pack_seqs(seqs), False, "host"), after=3),
+    for call in (Call("decode_host", (pack_seqs(seqs),), after=3),
                  Call("promote", (pack_moves([(s, s.block_table) for s in seqs[:2]]),), after=1, reply=True)):
         received = decode_call(encode_call(call))
         assert (received.method, received.after, received.reply) == (call.method, call.after, call.reply)
-        copies = (mirror.unpack_seqs(received.args[0]) if call.method == "run"
+        copies = (mirror.unpack_seqs(received.args[0]) if call.method == "decode_host"
                   else [seq for seq, _ in mirror.unpack_moves(received.args[0])])
         for original, copy in zip(seqs, copies):
             assert copy is not original
@@ -56,4 +56,4 @@ def test_a_value_the_wire_does_not_name_fails_at_the_sender():
     seq.num_computed_tokens = 0
     seq.extra = object()
     with pytest.raises(TypeError, match="does not cross"):
-        encode_call(Call("run", (pack_seqs([seq]), True, "device"), after=0))
+        encode_call(Call("prefill", (pack_seqs([seq]),), after=0))

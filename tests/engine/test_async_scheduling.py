@@ -5,10 +5,10 @@ import pytest
 import torch
 
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine.deferred_tokens import DeferredTokens
-from offload_engine.engine.input_batch import DecodeInputBatch
+from offload_engine.engine.runner.deferred_tokens import DeferredTokens
+from offload_engine.engine.runner.input_batch import DecodeInputBatch
 from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequence
-from offload_engine.engine.step_inputs import StepInputBuilder
+from offload_engine.engine.runner.step_inputs import StepInputBuilder
 from tests.conftest import TEST_DEVICE, requires_cuda
 from tests.oracle import hf_greedy, random_prompts
 
@@ -74,15 +74,14 @@ def test_the_next_step_is_queued_before_this_one_is_read(qwen3_dir, async_schedu
 
     monkeypatch.setattr(DeferredTokens, "result", logged_result)
     llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="gpu", async_scheduling=async_scheduling)
-    run = llm.engine.runner.run
+    launch = llm.engine.runner.launch_device_decode
 
-    def logged_run(seqs, is_prefill, lane="device"):
-        out = run(seqs, is_prefill, lane)
-        if isinstance(out, DeferredTokens):
-            events.append(("queued", id(out)))
+    def logged_launch(seqs):
+        out = launch(seqs)
+        events.append(("queued", id(out)))
         return out
 
-    llm.engine.runner.run = logged_run
+    llm.engine.runner.launch_device_decode = logged_launch
     prompts = random_prompts((9, 14), 256, seed=72)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 10)):

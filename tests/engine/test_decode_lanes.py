@@ -21,15 +21,19 @@ def test_device_lane_steps_while_the_host_lane_is_in_flight(qwen3_dir, monkeypat
     llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", kv_promotion=False, num_gpu_blocks=5,
               num_cpu_blocks=8, cpu_block_size=16)
     spans = []
-    run = llm.engine.runner.run
+    runner = llm.engine.runner
 
-    def timed_run(seqs, is_prefill, lane="device"):
-        start = time.perf_counter()
-        tokens = run(seqs, is_prefill, lane)
-        spans.append((lane, is_prefill, start, time.perf_counter(), threading.current_thread().name))
-        return tokens
+    def timed(step, lane, is_prefill):
+        def timed_step(seqs):
+            start = time.perf_counter()
+            tokens = step(seqs)
+            spans.append((lane, is_prefill, start, time.perf_counter(), threading.current_thread().name))
+            return tokens
+        return timed_step
 
-    llm.engine.runner.run = timed_run
+    runner.prefill = timed(runner.prefill, "device", True)
+    runner.launch_device_decode = timed(runner.launch_device_decode, "device", False)
+    runner.decode_host = timed(runner.decode_host, "host", False)
     outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)
     assert {o.kv_location for o in outputs} == {"gpu", "cpu"}
     host = [(a, b) for lane, prefill, a, b, _ in spans if lane == "host"]

@@ -72,7 +72,7 @@ def test_host_kernel_error_comes_out_of_generate(qwen3_dir, monkeypatch):
 
 @pytest.mark.parametrize("path", ["executor", "direct"])
 def test_host_write_error_during_prefill_comes_out_of_generate(qwen3_dir, monkeypatch, path):
-    """Host-tier prefill K/V reach the host pool two ways (engine/host_block_writes.py): whole blocks written by
+    """Host-tier prefill K/V reach the host pool two ways (layers/host_block_writes.py): whole blocks written by
     the device (or, on the CPU, by the engine's thread), the rest by the executor. A fault in either comes out."""
     llm = _engine(qwen3_dir)
     runner = llm.engine.runner

@@ -9,7 +9,7 @@ import random
 import pytest
 
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine import placement
+from offload_engine.engine.sched import placement
 from offload_engine.engine.sequence import BlockLocation
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts

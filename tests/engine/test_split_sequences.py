@@ -8,8 +8,8 @@ part, cross into the host part, and lie past it.
 import pytest
 
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine import placement
-from offload_engine.engine.block_manager import BlockManager
+from offload_engine.engine.sched import placement
+from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from tests.conftest import TEST_DEVICE, requires_cuda
 from tests.oracle import hf_greedy, random_prompts
@@ -98,7 +98,7 @@ def test_split_policy():
 def test_split_rows_decode_in_the_host_lanes_graphs(tiny_models, monkeypatch):
     """On CUDA the host lane's whole-step graphs attend over split rows' device parts themselves (beside the
     host kernel, merged in the graph): no split step falls back to the eager model."""
-    from offload_engine.engine.host_step_graphs import HostStepGraphs
+    from offload_engine.engine.graphs.host_step_graphs import HostStepGraphs
 
     model_dir = tiny_models["qwen2"]
     prompts = random_prompts([150, 40], 256, seed=95)

@@ -1,0 +1,229 @@
+"""Whole CUDA graphs for prefill steps whose rows are all on the device tier, one graph per bucket of tokens.
+
+Eagerly, a prefill step of a small model is bound by its launches, not by the GPU: Qwen3-0.6B takes ~30 ms to issue
+a step's ~430 kernels whatever its size up to ~8k tokens, while the GPU needs 6 ms for one prompt of 2,048 tokens
+and 22 ms for four. So a wave of prompts that starts in two steps instead of one costs a whole step more, and
+under `auto` waves split that way (issue 10, prompt-heavy 0.6B at 1/16 of its KV: 35 prefill steps against `gpu`'s
+19). With these graphs a step of 1 / 2 / 3 / 4 such prompts took 9.5 / 15.3 / 21.3 / 26.8 ms, against 33.0 / 31.3 /
+42.2 / 31.4 eagerly (H100 host, 2026-11-25, results/nvidia-h100-80gb-hbm3/prefill_graphs_2026-11-25/).
+
+A graph per bucket holds the whole forward, attention included: the attention kernel's grid is a tile map sized
+for the bucket (kernels.paged_prefill.prefill_tiles), not the step's rows. A step's tokens, positions, slots,
+context lengths, tables and tiles are copied into the static tensors the graphs read. Tokens past the step's own
+(its padding up to the bucket) get slot -1 and no tile: they write no KV and no query of theirs is attended;
+every other op is row-wise, so their rows are never read. Logits are computed eagerly, for the sampled rows only.
+
+Which buckets pay is measured before any graph is captured, and before the KV pool is sized (memory_profile.py):
+a bucket's forward, its launches queued behind a spin kernel so the GPU runs them back to back as a replay would,
+against an eager forward's launch time, which no eager step goes below. Buckets whose GPU time is past that (a
+large model, whose prefill the GPU and not the launches bounds: Qwen3-8B's past ~1.5k tokens) are left to eager
+steps, which carry no padding, and take no memory: the graphs' pool, which the KV pool gives up for good, is a
+prefill at the largest bucket that pays, not at `prefill_graph_tokens`.
+
+Steps with host-tier rows run eagerly: their attention stages host KV through the executor between layers.
+"""
+import time
+
+import numpy as np
+import torch
+
+from offload_engine.layers.attention_metadata import AttentionMetadata
+
+# Bucket sizes: 256, 512, then powers of two and the halfway points above them (1,024, 1,536, 2,048, 3,072, ...),
+# so a step above 1,024 tokens pads by at most half of itself (below, to twice itself: launches bound those anyway).
+_SIZES = [256, 512] + sorted(size for k in range(10, 24) for size in (1 << k, 3 << (k - 1)))
+
+
+def token_buckets(largest: int) -> list[int]:
+    """The bucket sizes up to `largest`, which is the last."""
+    return [size for size in _SIZES if size < largest] + [largest]
+
+
+def _spin_cycles_per_second(device: torch.device) -> float:
+    """How many cycles of torch.cuda._sleep's spin kernel run in a second on `device`."""
+    cycles = 10_000_000
+    torch.cuda.synchronize(device)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / (start.elapsed_time(end) / 1e3)
+
+
+class PrefillGraphs:
+    def __init__(self, model, max_tokens: int, max_rows: int, max_blocks_per_seq: int, dtype: torch.dtype,
+                 device: torch.device, capture_stream=None, paying_tokens: int | None = None):
+        """max_tokens: the largest bucket; max_rows: rows a step may have; capture_stream None: no graphs are
+        captured, and `run` goes through the same static tensors eagerly (CPU tests of everything but capture).
+        paying_tokens: the largest bucket worth a graph, as the memory profile measured it (None: measured here)."""
+        from kernels.paged_prefill import query_tile_rows
+
+        self.model, self.device = model, device
+        self.buckets = token_buckets(max_tokens)
+        largest = self.buckets[-1]
+        self.max_rows, self.max_blocks_per_seq = min(max_rows, largest), max_blocks_per_seq
+        attn = model.attention_layers()[0]
+        self.tile_rows = query_tile_rows(device, dtype, attn.head_dim)
+        # Each row adds at most one partial tile to the bucket's whole ones.
+        self.tile_capacity = {b: -(-b // self.tile_rows) + self.max_rows for b in self.buckets}
+        new = lambda shape, dtype, fill: torch.full(shape, fill, dtype=dtype, device=device)
+        self.token_ids, self.positions = new((largest,), torch.int64, 0), new((largest,), torch.int64, 0)
+        self.slot_mapping = new((largest,), torch.int64, -1)
+        self.cu_seqlens = new((self.max_rows + 1,), torch.int32, 0)
+        self.context_lens = new((self.max_rows,), torch.int32, 0)
+        self.block_tables = new((self.max_rows, max_blocks_per_seq), torch.int32, -1)
+        self.tiles = new((self.tile_capacity[largest], 2), torch.int32, -1)
+        self.capture_stream, self.pool = capture_stream, None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.hidden: dict[int, torch.Tensor] = {}
+        self.pays = {b: True for b in self.buckets}
+        self.launch_seconds, self.gpu_seconds = None, {}  # what `pays` was decided from (largest_paying_bucket)
+        self._spin_cycles = None  # of the spin that holds a measured forward's launches (_gpu_seconds)
+        if capture_stream is not None:
+            if paying_tokens is None:
+                paying_tokens = self.largest_paying_bucket()
+            self.pays = {b: b <= paying_tokens for b in self.buckets}
+            for size in reversed(self.buckets):  # largest first, so smaller buckets fit in its pool
+                if self.pays[size]:
+                    self._capture(size)
+
+    def _meta(self, size: int) -> AttentionMetadata:
+        none = torch.empty(0, dtype=torch.int64)
+        return AttentionMetadata(
+            is_prefill=True, slot_mapping=self.slot_mapping[:size], context_lens=self.context_lens,
+            block_tables=self.block_tables, slot_mapping_cpu=none, context_lens_cpu=none.int(),
+            block_tables_cpu=none.int().view(0, 0), has_gpu_rows=True, has_cpu_rows=False,
+            cu_seqlens_q=self.cu_seqlens, max_seqlen_q=size, prefill_tiles=self.tiles[:self.tile_capacity[size]])
+
+    def _forward(self, size: int) -> torch.Tensor:
+        return self.model(self.token_ids[:size], self.positions[:size], self._meta(size))
+
+    @torch.inference_mode()
+    def _capture(self, size: int) -> None:
+        self._forward(size)  # warm up outside the graph (compiles); no tile and no slot: no KV is read or written
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.capture_stream):
+            self.hidden[size] = self._forward(size)
+        self.pool = graph.pool()
+        self.graphs[size] = graph
+        torch.cuda.synchronize(self.device)
+
+    @torch.inference_mode()
+    def largest_paying_bucket(self) -> int:
+        """The largest bucket whose forward keeps the GPU busy for less time than an eager forward at the smallest
+        bucket takes to launch, 0 where none does. A step is padded up to its bucket, so a bucket past that replays
+        no faster than the eager step it would replace, and larger ones take longer still."""
+        self.launch_seconds = min(self._launch_seconds() for _ in range(2))  # the first may still fill caches
+        largest = 0
+        for size in self.buckets:
+            self._forward(size)  # compiles what this size needs, outside the timing
+            self.gpu_seconds[size] = min(self._gpu_seconds(size) for _ in range(2))
+            if self.gpu_seconds[size] >= self.launch_seconds:
+                break
+            largest = size
+        return largest
+
+    def _launch_seconds(self) -> float:
+        torch.cuda.synchronize(self.device)
+        began = time.perf_counter()
+        self._forward(self.buckets[0])
+        return time.perf_counter() - began
+
+    def _gpu_seconds(self, size: int) -> float:
+        """The GPU time of bucket `size`'s forward (everything but attention: the static inputs hold no tile), with
+        its launches queued behind a spin kernel, so the GPU runs them back to back as a graph's replay would.
+        The spin is lengthened until it outlasts the launches."""
+        if self._spin_cycles is None:  # calibrated once, for twice the launches' time
+            self._spin_cycles = max(1, int(2 * self.launch_seconds * _spin_cycles_per_second(self.device)))
+        cycles = self._spin_cycles
+        for _ in range(4):
+            torch.cuda.synchronize(self.device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            torch.cuda._sleep(cycles)
+            start.record()
+            self._forward(size)
+            end.record()
+            held = not start.query()  # the GPU was still spinning when the last launch was queued
+            end.synchronize()
+            if held:
+                break
+            cycles *= 4
+        return start.elapsed_time(end) / 1e3  # unheld after four tries: launch gaps included, an overestimate
+
+    def fits(self, num_tokens: int, meta: AttentionMetadata) -> int | None:
+        """The bucket a prefill step runs in, or None where it runs eagerly: host-tier rows, more rows or a wider
+        table than the static tensors hold, more tokens than the largest bucket, or a bucket that does not pay."""
+        if meta.has_cpu_rows or meta.context_lens.shape[0] > self.max_rows:
+            return None
+        if meta.block_tables.shape[1] > self.max_blocks_per_seq:
+            return None
+        size = next((b for b in self.buckets if b >= num_tokens), None)
+        return size if size is not None and self.pays[size] else None
+
+    @torch.inference_mode()
+    def run(self, size: int, token_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+            query_lens: list[int], to_device) -> torch.Tensor:
+        """The step's hidden states [T, hidden] from bucket `size`'s graph. to_device(array, dtype): the step
+        builder's pinned copy to the device, for the tile map."""
+        num_tokens, rows = token_ids.shape[0], meta.context_lens.shape[0]
+        self.token_ids[:num_tokens].copy_(token_ids)
+        self.positions[:num_tokens].copy_(positions)
+        self.slot_mapping[:num_tokens].copy_(meta.slot_mapping)
+        self.slot_mapping[num_tokens:size].fill_(-1)  # an earlier, longer step's slots must not be written again
+        self.cu_seqlens[:rows + 1].copy_(meta.cu_seqlens_q)
+        self.context_lens[:rows].copy_(meta.context_lens)
+        self.block_tables[:rows, :meta.block_tables.shape[1]].copy_(meta.block_tables)
+        from kernels.paged_prefill import prefill_tiles
+
+        capacity = self.tile_capacity[size]
+        self.tiles[:capacity].copy_(to_device(prefill_tiles(np.asarray(query_lens), self.tile_rows, capacity),
+                                              torch.int32))
+        if size in self.graphs:
+            self.graphs[size].replay()
+            return self.hidden[size][:num_tokens]
+        return self._forward(size)[:num_tokens]
+
+    def release(self) -> None:
+        """Drops every graph and the memory pool they share (the engine's close())."""
+        for graph in self.graphs.values():
+            graph.reset()
+        self.graphs, self.hidden, self.pool = {}, {}, None
+
+
+def prefill_graph_tokens(runner) -> int:
+    """The largest prefill step that replays a graph on this runner, 0 where none is captured: off CUDA, eager,
+    tensor-parallel (as decode), and on backends other than our Triton kernels, whose prefill attention takes its
+    grid from the step (flash-attn, torch)."""
+    cfg = runner.cfg
+    if runner.device.type != "cuda" or cfg.enforce_eager or runner.tp.size > 1 or runner.backend.name != "triton":
+        return 0
+    return min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens)
+
+
+def paying_prefill_tokens(runner) -> int:
+    """The largest bucket worth a graph on this runner (PrefillGraphs.largest_paying_bucket), 0 where none is
+    captured. Measured once, by whichever asks first: the memory profile, which sizes the graphs' pool from it, or
+    the capture, where the pool was given (num_gpu_blocks). Needs a device pool bound; no KV is read or written."""
+    if runner.paying_prefill_tokens is None:
+        tokens = prefill_graph_tokens(runner)
+        runner.paying_prefill_tokens = _graphs(runner, tokens).largest_paying_bucket() if tokens else 0
+    return runner.paying_prefill_tokens
+
+
+def capture_prefill_graphs(runner) -> PrefillGraphs | None:
+    """The runner's prefill graphs, once its device pool is bound, or None (no bucket pays, or prefill_graph_tokens
+    is 0 for this runner)."""
+    tokens = paying_prefill_tokens(runner)
+    if not tokens:
+        return None
+    from offload_engine.engine.runner.cuda_streams import engine_stream
+
+    # On the device lane's capture stream: prefill steps run on that lane, never beside its decode graphs.
+    return _graphs(runner, tokens, engine_stream(runner.device, "capture-device"), paying_tokens=tokens)
+
+
+def _graphs(runner, tokens: int, capture_stream=None, paying_tokens: int | None = None) -> PrefillGraphs:
+    return PrefillGraphs(runner.model, tokens, runner.cfg.max_num_seqs,
+                         -(-runner.max_model_len // runner.cfg.block_size), runner.dtype, runner.device,
+                         capture_stream, paying_tokens)

@@ -1,0 +1,393 @@
+"""Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens.
+
+Under tensor parallelism every rank has a ModelRunner of its own for its slice of the model (tp), and rank 0's
+engine drives them all, call for call (offload_engine/distributed/). A rank's pools and host executor hold its
+share of the KV heads and of the host's cores; the pool sizes each rank measures are agreed (the smallest wins),
+so a block id means the same on every rank.
+"""
+import contextlib
+import time
+
+import torch
+
+from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
+from kernels.host_block_copies import compile_host_block_copies
+from offload_engine.config import EngineConfig, ModelConfig
+from offload_engine.distributed import parallel_state
+from offload_engine.distributed.parallel_state import Partition
+from offload_engine.engine.tiers import tier_moves
+from offload_engine.engine.runner.cuda_streams import engine_stream
+from offload_engine.engine.runner.deferred_tokens import DeferredTokens
+from offload_engine.engine.runner.device_decode import DeviceLaneDecode
+from offload_engine.engine.graphs.graph_dispatch import GraphDispatcher, GraphMode
+from offload_engine.engine.tiers.executor_writes import ExecutorWrites
+from offload_engine.engine.tiers.host_pool_accesses import HostPoolAccesses
+from offload_engine.engine.runner.memory_profile import (allocate_device_pool, layer_views, reserve_step_memory,
+                                                  size_device_pool)
+from offload_engine.engine.tiers.move_staging import MoveStaging
+from offload_engine.engine.tiers.pinned_ring import PinnedRing
+from offload_engine.engine.graphs.prefill_graphs import capture_prefill_graphs
+from offload_engine.engine.runner.prefill_segment import run_segment, segment_capacity, segment_inputs
+from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.engine.runner.step_inputs import StepInputBuilder
+from offload_engine.layers.attention_backends import select_backend
+from offload_engine.layers.sampler import SamplingBatch, sample
+from offload_engine.loader import build_model
+
+
+
+class ModelRunner:
+    def __init__(self, model_dir: str, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype,
+                 max_model_len: int, tp: Partition = Partition()):
+        """model_cfg: the whole model; tp: the slice of it this runner holds (rank 0 of 1: all of it). Under tensor
+        parallelism cfg.device is this rank's device, and the caller runs it as the device lane
+        (parallel_state.lane): start-up makes collectives."""
+        self.tp, self.whole_model_cfg = tp, model_cfg
+        self.cfg, self.model_cfg, self.dtype = cfg, tp.local_shape(model_cfg), dtype  # model_cfg: this rank's heads
+        self.device = cfg.torch_device
+        self.max_model_len = max_model_len
+        self.model = self.backend = self.device_pool = self.device_stacked = self.host_pool = self.executor = None
+        self.num_gpu_blocks = self.num_cpu_blocks = 0
+        self.segment_tokens = 0
+        self.decode_graphs: dict = {}
+        self.prefill_graphs = None  # engine/graphs/prefill_graphs.py
+        self.paying_prefill_tokens = None  # their largest bucket, measured once (prefill_graphs.paying_prefill_tokens)
+        self.dispatcher = GraphDispatcher(self.decode_graphs)  # which graph a step replays
+        self.inputs = self.host_inputs = None
+        self.streams: dict[str, torch.cuda.Stream] = {}
+        self.executor_writes = ExecutorWrites()  # host-pool writes still running on the executor
+        self.accesses = HostPoolAccesses()  # the device's direct reads and writes of the pinned host pool
+        self.moves_stream = None  # CUDA: where promotions' direct reads run, beside the device lane's steps
+        self.prefill_writes_stream = None  # where host-tier prefill's writes run, beside its layers
+        self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
+        self.link_seconds_per_byte = None  # CUDA with a host tier: the pinned copy's, for LaneStats' move cost
+        self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
+        self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
+        self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
+        try:
+            # Start-up made on this runner's GPU whatever device the caller's thread has current: what it does not
+            # name a device for (graph capture's syncs, the allocator's cache) follows the current one. Steps need no
+            # such scope: each runs under its lane's stream, which makes the stream's device current.
+            with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
+                self._start(model_dir)
+        except BaseException:
+            self.close()  # a half-made runner releases what it had made (pinned memory, threads)
+            raise
+
+    def _start(self, model_dir: str) -> None:
+        began = time.perf_counter()
+        # The host tier first: its numba compile and its page-locking run on threads of their own while the
+        # weights load and the device pool is profiled (DESIGN.md, "Resources and their lifecycle").
+        self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
+        if self.host_pool is not None and self.device.type == "cuda":
+            self.ring = PinnedRing()
+        self.model = build_model(self.whole_model_cfg, model_dir, self.dtype, self.device,
+                                 max_position=self.max_model_len, tp=self.tp)
+        self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size)
+        # Each lane builds its own steps' inputs, from pinned memory of its own (step_inputs.py); the device
+        # lane's decode rows stay in place across steps (input_batch.py).
+        self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size, self.cfg.seed)
+        self.host_inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size,
+                                            self.cfg.seed + 1)
+        self.device_decode = DeviceLaneDecode(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
+                                              self.cfg.block_size, self.device)
+        self.startup_seconds["weights"] = time.perf_counter() - began
+        self.num_gpu_blocks = self._agreed(size_device_pool(self))
+        self.device_stacked = allocate_device_pool(self.model_cfg, self.num_gpu_blocks, self.cfg.block_size,
+                                                   self.dtype, self.device)
+        self.device_pool = layer_views(self.device_stacked)
+        if self.host_pool is not None:
+            # Before graph capture: page-locking from another thread would break a capture in progress.
+            self.startup_seconds["pin"] = self.host_pool.wait_pinned()
+        self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
+        self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
+        self.dispatcher.graphs = self.decode_graphs
+        began = time.perf_counter()
+        self.prefill_graphs = self.dispatcher.prefill_graphs = capture_prefill_graphs(self)
+        self.startup_seconds["prefill_graphs"] = time.perf_counter() - began
+        if self.ring is not None:
+            with torch.inference_mode():
+                self.model.attention_layers()[0].compile_staged_prefill()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # what start-up queued on the default stream is done
+            self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
+            self.moves_stream = engine_stream(self.device, "moves")
+            reserve_step_memory(self)
+            if self.host_pool is not None:  # each rank's link moves its share of a token's KV
+                self.link_seconds_per_byte = self.move_staging.link_seconds_per_byte() / self.tp.size
+        if self.executor is not None:
+            self.startup_seconds["numba_compile"] = self.executor.warmup()
+        # Tokens of a layer-major prefill segment (engine/runner/prefill_segment.py): only staged rows take segments.
+        if self.host_pool is not None:
+            self.segment_tokens = self._agreed(self.cfg.prefill_segment_tokens or segment_capacity(
+                self.model_cfg, self.dtype, self.device, self.cfg.max_num_batched_tokens, self.max_model_len))
+        self.startup_seconds["total"] = time.perf_counter() - began
+
+    def _agreed(self, value: int) -> int:
+        """A size this rank measured, agreed across the ranks (the smallest); with one rank, the size."""
+        return value if self.tp.size == 1 else parallel_state.smallest(value, self.device)
+
+    # ---- pools -------------------------------------------------------------------------------------------
+    def block_bytes(self, block_size: int) -> int:
+        return block_size * self.model_cfg.kv_bytes_per_token(self.dtype)
+
+    def wanted_blocks(self, block_size: int) -> int:
+        """Enough blocks for max_num_seqs sequences of max_model_len: more can never be used at once."""
+        return self.cfg.max_num_seqs * -(-self.max_model_len // block_size)
+
+    def _make_host_tier(self):
+        wants_host = self.cfg.kv_placement != "gpu" or self.cfg.num_cpu_blocks or self.cfg.cpu_kv_cache_gb
+        if not wants_host:
+            return 0, None, None
+        from cpu_attention.executor import CpuAttentionExecutor, host_threads
+
+        size = self.cfg.cpu_block_size
+        # Counted in the whole model's bytes: every rank holds the same blocks, each with its share of the heads,
+        # so cpu_kv_cache_gb and the cap on spare memory are for all ranks together, as with one.
+        blocks = self._agreed(host_pool_blocks(self.block_bytes(size) * self.tp.size, self.cfg.num_cpu_blocks,
+                                               self.cfg.cpu_kv_cache_gb, self.wanted_blocks(size)))
+        cfg = self.model_cfg
+        # numba compiles (or loads its on-disk cache) the kernels for this dtype on the executor's thread now,
+        # not inside the first step; the caller joins it once the weights are in. Ranks share the host's cores.
+        executor = CpuAttentionExecutor(num_threads=host_threads(self.tp.size), dtypes=(self.dtype,))
+        pool = HostKVPool(cfg.num_layers, blocks, cfg.num_kv_heads, size, cfg.head_dim, self.dtype,
+                          pin_device=self.device if self.device.type == "cuda" else None)
+        return blocks, pool, executor
+
+    def bind_kv_caches(self, device_pool, host_pool) -> None:
+        """Hands every attention layer its caches in both tiers, the device backend and the host executor."""
+        copy_stream = engine_stream(self.device, "prefill-writes") if self.ring is not None else None
+        self.prefill_writes_stream = copy_stream
+        # The host pool as the device addresses it: host-tier prefill writes whole host blocks there
+        # (layers/host_block_writes.py). Off CUDA the pool itself; on CUDA where the pinned pool is mapped.
+        mapped = host_pool if host_pool and self.device.type != "cuda" else None
+        stacked = self.host_pool.device_stacked() if host_pool and self.device.type == "cuda" else None
+        if stacked is not None:
+            mapped = [tuple(layer) for layer in stacked]
+            # Promotions read it and demotions write it with a Triton kernel: compiled now, not in a run's first move.
+            compile_host_block_copies(stacked, self.device_stacked.flatten(2, 3))
+        for builder in (self.inputs, self.host_inputs):
+            if builder is not None:
+                builder.direct_host_writes = mapped is not None
+        for i, layer in enumerate(self.model.attention_layers()):
+            layer.k_cache, layer.v_cache = device_pool[i]
+            layer.k_cache_cpu, layer.v_cache_cpu = host_pool[i] if host_pool else (None, None)
+            layer.k_cache_mapped, layer.v_cache_mapped = mapped[i] if mapped else (None, None)
+            layer.backend, layer.executor, layer.ring = self.backend, self.executor, self.ring
+            layer.copy_stream = copy_stream
+
+    def _capture_decode_graphs(self) -> dict:
+        """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (whole steps whose
+        attention the host kernel does between gates: host_step_graphs.py)."""
+        # Tensor parallelism runs eagerly for now: its collectives inside captured graphs (two lanes, two NCCL
+        # communicators) are not verified on a GPU yet (distributed/tp_runner.py).
+        if self.device.type != "cuda" or self.cfg.enforce_eager or self.tp.size > 1:
+            return {}
+        from offload_engine.engine.graphs.cuda_graphs import DecodeGraphs
+
+        # Captured after both pools exist, from what gpu_memory_utilization left free. Whole-step graphs need a
+        # graph-safe attention backend: the torch path gathers every table column, which would not fit.
+        cfg = self.model_cfg
+        whole = self.backend.name != "torch"
+        # The device lane's whole-step graphs read their inputs where the persistent input batch writes them.
+        graphs = {"device": DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim, self.dtype,
+                                         self.device, engine_stream(self.device, "capture-device"),
+                                         inputs=self.device_decode.batch if whole else None)}
+        if self.host_pool is not None:
+            from offload_engine.engine.graphs.hardware_queues import warn_if_narrow
+            from offload_engine.engine.graphs.host_step_graphs import HostStepGraphs
+
+            warn_if_narrow()
+            # Whole host steps, the host kernel gated in (host_step_graphs.py). Capture runs no host kernel. Where a
+            # sequence can be too long for the device pool, it can be split (placement.split_device_tokens), and the
+            # graphs attend over device parts too; split rows are rare, so other engines' graphs leave that out.
+            splits = (self.cfg.kv_placement == "auto" and whole
+                      and -(-self.max_model_len // self.cfg.block_size) > self.num_gpu_blocks)
+            graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
+                                            self.host_pool, self.executor, engine_stream(self.device, "capture-host"),
+                                            device_blocks_per_seq=self.num_gpu_blocks if splits else None)
+        return graphs
+
+    @property
+    def host_step_holds_executor(self) -> bool:
+        """True when a host-lane step is one native loop on the executor from its start to its end
+        (host_step_graphs.py): nothing else the executor runs gets in between, promotions' reads included."""
+        from offload_engine.engine.graphs.host_step_graphs import HostStepGraphs
+
+        return isinstance(self.decode_graphs.get("host"), HostStepGraphs)
+
+    @property
+    def promotes_beside_host_steps(self) -> bool:
+        """Whether a promotion can start while a host step is in flight, without waiting for it to come back: yes
+        unless the step holds the executor and the promotion needs it, to gather through staging (no mapped pool)
+        or to finish host-pool writes queued there first (promote waits for those)."""
+        if not self.host_step_holds_executor:
+            return True
+        return self.host_pool.device_stacked() is not None
+
+    def host_writes_pending(self) -> bool:
+        return self.executor_writes.pending()
+
+    def close(self) -> None:
+        """Releases everything the runner holds, in dependency order; safe on a half-made runner and twice.
+        The host lane must be idle (LLMEngine.close stops it first)."""
+        if self.executor is not None:
+            self.executor.shutdown()  # after this no host kernel can touch the host pool
+            self.executor = None
+        self._release_graphs()
+        self.move_staging.release()
+        for builder in (self.inputs, self.host_inputs):
+            if builder is not None:
+                builder.release()
+        self.inputs = self.host_inputs = None
+        if self.ring is not None:
+            self.ring.drain()
+            self.ring = None
+        if self.model is not None:
+            self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
+        self.accesses.wait_writes()  # no device write may land in host memory once it is unpinned
+        self.accesses.wait_promotion_reads()  # nor a device read take place there
+        if self.host_pool is not None:
+            self.host_pool.close()  # unpinned before the memory can go
+            self.host_pool = None
+        self.device_pool = self.device_stacked = self.model = None
+        if self.device.type == "cuda" and torch.cuda.is_initialized():
+            torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
+
+    def _release_graphs(self) -> None:
+        """Every lane's graphs and the prefill graphs, with their pools and static tensors. A method of its own so
+        that no local of close() holds them when it empties the allocator's cache (a loop variable there kept the
+        prefill graphs' static tensors, one 2 MiB segment, reserved past close: tests/test_lifecycle.py)."""
+        for graphs in [*self.decode_graphs.values(), self.prefill_graphs]:
+            if graphs is not None:
+                graphs.release()
+        self.decode_graphs = self.dispatcher.graphs = {}
+        self.prefill_graphs = self.dispatcher.prefill_graphs = None
+
+    # ---- moves between the tiers (engine/tiers/tier_moves.py) ---------------------------------------------------
+    def promote(self, moves: list[tuple[Sequence, list[int]]]):
+        return tier_moves.promote(self, moves)
+
+    @property
+    def demotes_beside_device_lane(self) -> bool:
+        return tier_moves.demotes_beside_device_lane(self)
+
+    def demote(self, moves: list[tuple[Sequence, list[int]]], first_blocks: list[int] | None = None):
+        return tier_moves.demote(self, moves, first_blocks)
+
+    def _record_prefill_writes(self) -> None:
+        """After a prefill step with host-tier rows: marks where its direct writes into host blocks end."""
+        if self.prefill_writes_stream is not None and self.inputs.direct_host_writes:
+            self.accesses.record("prefill_writes", self.prefill_writes_stream)
+
+    def upload(self, array):
+        """A move's index list on the device, through the pinned ring (PinnedRing.upload says why)."""
+        return self.ring.upload(array, self.device)
+
+    def check_host_writes(self, wait: bool = False) -> None:
+        """Raises the error of a host-pool write that failed on the executor; with wait, first lets all finish.
+        Nothing waits for these writes otherwise: every later reader of those host blocks runs on the executor
+        after them (host decode, prefix staging, promotion), so the device lane never does."""
+        if wait:
+            self.accesses.wait_writes()
+        self.executor_writes.check(wait)
+
+    def drain_host_work(self) -> None:
+        """Lets every host kernel and write queued so far finish, and forgets their outcomes (LLMEngine.abort):
+        a write that failed belongs to the aborted call, not to the next one."""
+        if self.executor is not None:
+            self.executor.drain()
+        self.accesses.wait_writes()
+        self.accesses.wait_promotion_reads()
+        self.executor_writes.forget()
+
+    def lane_stream(self, lane: str):
+        """The lane's own CUDA stream as a context: host-lane work (its rows' layers, its copies) queues beside the
+        device lane's steps instead of in front of them, and the device lane's stream has the higher priority."""
+        stream = self.streams.get(lane)
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
+    # ---- one step ----------------------------------------------------------------------------------------
+    # Decode steps of the two lanes may run at once, from two threads: each lane has its own graphs, sampling keys,
+    # inputs and CUDA stream, and shares nothing else that a step writes.
+    def prefill(self, seqs: list[Sequence]) -> list[int]:
+        """One prefill step (chunks of prompts, or one staged prompt's segment) -> each row's sampled id."""
+        return self._step(seqs, is_prefill=True, lane="device")
+
+    def decode_host(self, seqs: list[Sequence]) -> list[int]:
+        """One host-lane decode step, run to its end on the calling thread -> each row's sampled id."""
+        return self._step(seqs, is_prefill=False, lane="host")
+
+    def launch_device_decode(self, seqs: list[Sequence]) -> DeferredTokens:
+        """One device-lane decode step, returned as soon as it is queued: its rows in the order it ran them, its
+        ids on the device (the next device step reads them there) and, once their copy lands, on the host (the
+        engine reads them a step later)."""
+        return self._step(seqs, is_prefill=False, lane="device")
+
+    def forget_device_step(self) -> None:
+        """Drops the device lane's step in flight, whose ids the next step would have read (LLMEngine.abort)."""
+        self.device_decode.forget()
+
+    @torch.inference_mode()
+    def _step(self, seqs: list[Sequence], is_prefill: bool, lane: str):
+        self.check_host_writes()
+        if lane == "host":
+            # The host step writes its new tokens into host blocks that a queued promotion may still read; the
+            # other host writers (demotion, prefill) queue their copies behind the reads on the device (below).
+            self.accesses.wait_promotion_reads()
+        host_prefill = is_prefill and any(s.location == BlockLocation.CPU for s in seqs)
+        if lane == "host" or host_prefill:
+            # Host kernels read (and prefix staging gathers) host blocks that demoted KV, or an earlier prefill's,
+            # may still be landing in.
+            self.accesses.wait_writes()
+        with self.lane_stream(lane):
+            if is_prefill:
+                # Prefix reuse may hand it device blocks a promotion is still filling, and its host-tier writes
+                # may go to host blocks one still reads.
+                self.accesses.after_promotion_reads()
+            if is_prefill and len(seqs) == 1 and seqs[0].num_scheduled_tokens > self.cfg.max_num_batched_tokens:
+                logits = self._prefill_segment(seqs[0])  # Scheduler._take_chunk made it a segment
+            elif not is_prefill and lane == "device":
+                mode, batch = self.dispatcher.dispatch("device", len(seqs))
+                settings = lambda rows: self.inputs.sampling_settings(rows, self.model_cfg.vocab_size)
+                return self.device_decode.launch(seqs, self.model, self.decode_graphs.get("device"), mode,
+                                                 batch.rows, settings)
+            else:
+                logits = self._forward(seqs, is_prefill, lane)
+            if host_prefill:
+                self._record_prefill_writes()
+            return sample(logits, self._sampling_batch(seqs, lane)).tolist()
+
+    def _sampling_batch(self, seqs: list[Sequence], lane: str) -> SamplingBatch:
+        builder = self.inputs if lane == "device" else self.host_inputs
+        return builder.sampling(seqs, self.model_cfg.vocab_size)
+
+    def _forward(self, seqs: list[Sequence], is_prefill: bool, lane: str) -> torch.Tensor:
+        """The model over one step's batch -> the logits of its sampled rows."""
+        builder = self.inputs if lane == "device" else self.host_inputs
+        step = builder.prefill(seqs) if is_prefill else builder.decode(seqs)
+        if is_prefill:
+            mode, batch = self.dispatcher.dispatch_prefill(step.token_ids.shape[0], step.meta)
+        else:
+            mode = self.dispatcher.dispatch(lane, len(seqs), step.meta)[0]
+        if is_prefill and mode == GraphMode.FULL:
+            hidden = self.prefill_graphs.run(batch.rows, step.token_ids, step.positions, step.meta,
+                                             [s.num_scheduled_tokens for s in seqs], builder.to_device)
+            logits = self.model.compute_logits(hidden[step.sample_rows])
+        elif mode == GraphMode.PIECEWISE:
+            logits = self.decode_graphs[lane].run(step.token_ids, step.positions, step.meta)
+        else:
+            hidden = self.model(step.token_ids, step.positions, step.meta)
+            logits = self.model.compute_logits(hidden[step.sample_rows])
+        self.executor_writes.add(step.meta.pending_host_writes)  # host-tier prefill: not waited for
+        self.host_kernel_seconds[lane] = sum(step.meta.host_kernel_seconds)  # every layer's kernel is back
+        return logits
+
+    def _prefill_segment(self, seq: Sequence) -> torch.Tensor:
+        """A staged sequence's long prefill, layer by layer in chunks of max_num_batched_tokens
+        (engine/runner/prefill_segment.py) -> the logits of its last token."""
+        segment = segment_inputs(self.inputs, seq, self.cfg.max_num_batched_tokens)
+        writes = []
+        hidden = run_segment(self.model, segment, writes)
+        self.executor_writes.add(writes)  # host-tier tokens' writes: not waited for
+        return self.model.compute_logits(hidden)

@@ -1,0 +1,138 @@
+"""Layer-major prefill of a long prompt that attends through the staging cache (host-tier and split sequences).
+
+Chunked prefill runs each chunk through every layer, so each chunk of a host-tier prompt stages the whole prefix
+before it, for every layer, from the host pool (and a split sequence's device part from the device pool): over a
+prompt of n chunks, about n / 2 times its own KV. A segment is many chunks of one sequence run in one step, layer
+by layer instead: each layer's staging cache receives the segment's prefix once (Attention.stage_segment), every
+chunk writes its K/V there as well as into its own tier, and attends there; between layers the chunks'
+attention outputs and residuals wait on the device. So the prefix crosses once per segment, not once per chunk,
+and a prompt that fits one segment is never staged back at all.
+
+What a segment holds on the device besides one chunk's activations: per token, its attention output and
+residual (2 x (Hq * D + hidden) bytes in 16-bit) for the whole segment, and one layer's staging cache at a time,
+as large as the last chunk of chunked prefill would have staged. `segment_capacity` sizes segments from the
+memory free after start-up. The scheduler hands a staged sequence a segment when its next chunk would leave
+more of its prompt for later (Scheduler._take_chunk); prefill steps already run alone, before decode steps, so
+a longer step takes no turn from the device lane that chunked prefill would have given it.
+"""
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from offload_engine.layers.host_block_writes import HostBlockWrites
+from offload_engine.engine.sequence import BlockLocation, Sequence
+
+SEGMENT_MEMORY_SHARE = 0.5  # of the device memory free after start-up that segments may hold
+SEGMENT_MEMORY_MARGIN = 1 << 30  # left free besides one layer's staging cache at max_model_len
+
+
+@dataclass
+class SegmentChunk:
+    """One chunk of a segment: tokens [begin, end) of the segment, and its maps for one layer's attention."""
+
+    begin: int
+    end: int
+    device_slots: torch.Tensor  # device int64: device-pool slot of each token, -1 for host-part tokens
+    has_device_tokens: bool
+    host_token_indices: torch.Tensor | None  # device int64: the tokens written on the host (None: all)
+    host_token_slots: torch.Tensor  # host int64: their host-pool slots
+    block_writes: HostBlockWrites | None  # the host blocks the device writes whole (layers/host_block_writes.py)
+    staging_slots: torch.Tensor  # device int64: token t of the sequence is staging slot t
+    block_table: torch.Tensor  # device int32 [1, staging blocks]
+    cu_seqlens_q: torch.Tensor  # device int32 [2]
+    context_lens: torch.Tensor  # device int32 [1]: the sequence's tokens up to this chunk's last
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.begin
+
+
+@dataclass
+class SegmentInputs:
+    token_ids: torch.Tensor  # device int64 [S]
+    positions: torch.Tensor  # device int64 [S]
+    host_source_blocks: torch.Tensor  # host int64: host blocks of the host prefix before the segment
+    device_source_blocks: torch.Tensor  # device int64: a split sequence's device blocks, in token order
+    num_device_part_blocks: int  # staging blocks its device part fills (whole host blocks)
+    num_staging_blocks: int
+    chunks: list[SegmentChunk]
+
+
+def segment_inputs(builder, seq: Sequence, chunk_tokens: int) -> SegmentInputs:
+    """The maps of seq's scheduled tokens as one segment, in chunks of at most chunk_tokens. `builder` is the
+    runner's StepInputBuilder (its to_device, prefill_row and host_writes)."""
+    start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
+    block_size = builder.block_sizes[BlockLocation.CPU]
+    row = builder.prefill_row(seq, start, end)
+    device_slots, host_slots = row.slots[BlockLocation.GPU], row.slots[BlockLocation.CPU]
+    num_host_prefix = -(-max(0, start - seq.num_device_tokens) // block_size)
+    num_staging_blocks = -(-end // block_size)
+    table = builder.to_device(np.arange(num_staging_blocks)[None], torch.int32)
+    chunks = []
+    for begin in range(0, end - start, chunk_tokens):
+        stop = min(begin + chunk_tokens, end - start)
+        host = host_slots[begin:stop]
+        block_writes, on_host = builder.host_writes(host)
+        chunks.append(SegmentChunk(
+            begin=begin, end=stop,
+            device_slots=builder.to_device(device_slots[begin:stop], torch.int64),
+            has_device_tokens=bool((device_slots[begin:stop] >= 0).any()),
+            host_token_indices=None if on_host.size == stop - begin else builder.to_device(on_host, torch.int64),
+            host_token_slots=torch.from_numpy(host[on_host]),
+            block_writes=block_writes,
+            staging_slots=builder.to_device(np.arange(start + begin, start + stop), torch.int64),
+            block_table=table,
+            cu_seqlens_q=builder.to_device([0, stop - begin], torch.int32),
+            context_lens=builder.to_device([start + stop], torch.int32)))
+    return SegmentInputs(
+        token_ids=builder.to_device(seq.token_ids[start:end], torch.int64),
+        positions=builder.to_device(np.arange(start, end), torch.int64),
+        host_source_blocks=torch.tensor(seq.block_table[:num_host_prefix], dtype=torch.int64),
+        device_source_blocks=builder.to_device(seq.device_prefix, torch.int64),
+        num_device_part_blocks=seq.num_device_tokens // block_size,
+        num_staging_blocks=num_staging_blocks,
+        chunks=chunks)
+
+
+def run_segment(model, segment: SegmentInputs, pending_writes: list) -> torch.Tensor:
+    """The segment through every layer, layer by layer -> the last token's final hidden state [1, hidden].
+    `model` is a CausalLM whose decoder has begin/between/end (models/llama.py); the host-pool writes it queues are
+    appended to pending_writes."""
+    decoder = model.model
+    attn_out = residual = None
+    for layer, attn in enumerate(model.attention_layers()):
+        staged = attn.stage_segment(segment)
+        for chunk in segment.chunks:
+            rows = slice(chunk.begin, chunk.end)
+            positions = segment.positions[rows]
+            if layer == 0:
+                q, k, v, res = decoder.begin(segment.token_ids[rows], positions)
+            else:
+                q, k, v, res = decoder.between(layer, positions, attn_out[rows], residual[rows])
+            out = attn.attend_segment_chunk(q, k, v, staged, chunk, pending_writes)
+            if attn_out is None:
+                num_tokens = segment.token_ids.shape[0]
+                attn_out = out.new_empty((num_tokens, *out.shape[1:]))
+                residual = res.new_empty((num_tokens, *res.shape[1:]))
+            attn_out[rows], residual[rows] = out, res
+        del staged  # the next layer's staging reuses its memory
+    return decoder.end(attn_out[-1:], residual[-1:])
+
+
+def segment_capacity(model_cfg, dtype: torch.dtype, device: torch.device, chunk_tokens: int,
+                     max_model_len: int) -> int:
+    """Tokens a segment may hold: SEGMENT_MEMORY_SHARE of the memory free now (on CUDA, after start-up; on the
+    CPU, what psutil says is available), less one layer's staging cache at max_model_len and a margin, over what
+    a segment keeps per token. At least one chunk, at most max_model_len."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    per_token = itemsize * (model_cfg.num_heads * model_cfg.head_dim + model_cfg.hidden_size)
+    staging = 2 * max_model_len * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    room = SEGMENT_MEMORY_SHARE * (free - staging - SEGMENT_MEMORY_MARGIN)
+    return int(min(max_model_len, max(chunk_tokens, room // per_token)))

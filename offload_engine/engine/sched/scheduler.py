@@ -1,0 +1,279 @@
+"""Continuous batching with chunked prefill, on two KV tiers.
+
+A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens` tokens) or a decode step
+(one token for every running sequence of one tier: decode runs in two lanes, see engine/llm_engine.py).
+Prefill goes first, so new requests join the batch as soon as a tier has room for them. When a decode step
+finds no room for a sequence's next token, a sequence on the same tier gives up its blocks: under "auto" device
+sequences nearest their end are demoted to the host tier first, where placement allows (their KV is copied,
+they go on decoding in the host lane); otherwise the newest is preempted and recomputed later. Sequences in
+flight in the host lane are never touched. No request is dropped. With kv_promotion ("auto"), host-tier sequences move back up
+into device room before new requests take it (schedule_promotions). Which tier, and whether a move pays, is
+engine/sched/placement.py's to say.
+"""
+from collections import deque
+from collections.abc import Iterator
+from itertools import islice
+
+from offload_engine.engine.sched import placement
+from offload_engine.engine.sched.block_manager import BlockManager
+from offload_engine.engine.sched.lane_stats import LaneStats
+from offload_engine.engine.sched.placement import choose_tier, demotes, demotion_victims, promotions
+from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequence, SequenceStatus
+
+
+class Scheduler:
+    def __init__(self, blocks: BlockManager, kv_placement: str, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_model_len: int, eos_token_ids: tuple[int, ...], kv_promotion: bool = False,
+                 stats: LaneStats | None = None, segment_tokens: int = 0):
+        self.blocks = blocks
+        self.kv_placement = kv_placement
+        self.kv_promotion = kv_promotion and kv_placement == "auto"
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.segment_tokens = segment_tokens  # of a layer-major prefill step (engine/runner/prefill_segment.py); 0: none
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.waiting: deque[Sequence] = deque()
+        self.running: deque[Sequence] = deque()  # in admission order: the newest is preempted first
+        self.stats = stats  # the lanes' measured costs, for placement's cost check
+        self.demotions: list[tuple[Sequence, list[int]]] = []  # made by schedule_decode, copied by the engine
+        self.num_preemptions = 0
+        self.num_promotions = 0
+        self.num_demotions = 0
+        self.num_split_growths = 0  # split rows' device parts taking over host blocks
+        self.num_steps = 0  # device-lane schedules: the engine's steps, the clock admission holds are counted by
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def reset(self) -> None:
+        """Forgets every request (LLMEngine.abort)."""
+        self.waiting.clear()
+        self.running.clear()
+        self.demotions = []
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule_prefill(self) -> list[Sequence]:
+        """Prompt chunks for the next step (running prefills first, then admissions); empty if none. A prefill in
+        flight (its chunk on the prefill lane, or its KV crossing: engine/disagg/prefill_lane.py) waits until it is back."""
+        self.blocks.pool(BlockLocation.GPU).reclaim()  # device blocks whose demotion copies have landed
+        budget, batch = self.max_num_batched_tokens, []
+        for seq in self.running:
+            if seq.in_prefill and not seq.in_flight and budget > 0:
+                budget -= self._take_chunk(seq, budget)
+                batch.append(seq)
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            seq = self.waiting[0]
+            tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self._could_join(),
+                               self.kv_promotion, self.num_steps)
+            if tier is None:
+                break
+            device_tokens = placement.split_device_tokens(seq, self.kv_placement, self.blocks, self.running,
+                                                          self._could_join()) if tier == BlockLocation.CPU else 0
+            self.blocks.allocate(seq, tier, device_tokens)
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(self.waiting.popleft())
+            budget -= self._take_chunk(seq, budget)
+            batch.append(seq)
+        return batch
+
+    def _take_chunk(self, seq: Sequence, budget: int) -> int:
+        """Schedules seq's next chunk within budget; returns its tokens. A sequence that attends through the
+        staging cache (host tier, or a split one past its device part) and would leave part of its prompt for
+        later takes a whole segment instead, alone in its step: a step's budget of tokens, run layer by layer
+        over as many as segment_tokens (engine/runner/prefill_segment.py), stages its prefix once, not once per chunk."""
+        count = min(seq.num_uncomputed_tokens, budget)
+        alone = budget == self.max_num_batched_tokens
+        staged = seq.location == BlockLocation.CPU and seq.num_computed_tokens + count > seq.num_device_tokens
+        if alone and staged and count < seq.num_uncomputed_tokens:
+            count = min(seq.num_uncomputed_tokens, max(budget, self.segment_tokens))
+        seq.num_scheduled_tokens = count
+        return count
+
+    def schedule_decode(self, tier: BlockLocation, hold_back: frozenset[int] = frozenset()) -> list[Sequence]:
+        """One token for every running, prefilled sequence on `tier` that is not in flight or held back."""
+        if tier == BlockLocation.GPU:
+            self.num_steps += 1
+            if self.kv_placement == "auto":
+                self._demote_for_room()
+        batch = []
+        for seq in list(self.running):
+            if seq.location != tier or seq.in_flight or seq.in_prefill or seq.status != SequenceStatus.RUNNING:
+                continue
+            if seq.seq_id in hold_back or seq.tokens_left <= 0:
+                continue  # (no tokens left: a device step in flight samples its last one; resolve finishes it)
+            while not self.blocks.can_append(seq):
+                if self.blocks.settle(seq.location):
+                    continue  # blocks a demotion's copy was still reading are free now: no need to free more
+                victim = self._newest_on_tier(seq)
+                self._make_room(victim)
+                if victim is seq:
+                    break
+            else:
+                self.blocks.append_slot(seq)
+                seq.num_scheduled_tokens = 1
+                batch.append(seq)
+        return batch
+
+    def host_step_pays(self) -> bool:
+        """Whether the host lane should step now (placement.host_step_pays), over its decodable rows."""
+        decoding = [s for s in self.running if not s.in_prefill and s.status == SequenceStatus.RUNNING]
+        host = [s for s in decoding if s.location == BlockLocation.CPU and not s.in_flight]
+        device_rows = sum(s.location == BlockLocation.GPU for s in decoding)
+        return placement.host_step_pays(host, device_rows, self.stats)
+
+    def take_demotions(self, spare_blocks: int = 0) -> tuple[list[tuple[Sequence, list[int]]], list[int]]:
+        """The sequences schedule_decode demoted, each with the device blocks that still hold its KV, and which of
+        those blocks the device may write from the next step on: the ones this step took and `spare_blocks` more
+        (BlockPool.hand_out_held). The engine queues the copy of those before that step, and then binds the rest
+        to the copy's event (BlockPool.hold_until)."""
+        demotions, self.demotions = self.demotions, []
+        first = self.blocks.pool(BlockLocation.GPU).hand_out_held(spare_blocks) if demotions else []
+        return demotions, first
+
+    def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
+        """Host-tier sequences to move into the device pool now (engine/sched/placement.py picks them), each with the
+        host blocks that still hold its KV, and split rows whose device parts grow (a DevicePartGrowth each, with
+        the host blocks it takes over). Call before admitting new requests: host sequences take freed device
+        room first, as "gpu" re-admits its preempted sequences first. Sequences in the host step in flight are
+        passed over, so every one that fits moves at once (promotion_hold_back keeps the next ones out of the
+        host step)."""
+        if not self.kv_promotion:
+            return []
+        self.blocks.pool(BlockLocation.GPU).reclaim()
+        # With no request waiting for room, host rows may swap places with device rows nearer their end.
+        promoted = list(promotions(self.running, self.blocks, stats=self.stats, rotate=not self.waiting))
+        moves = [(seq, self.blocks.move(seq, BlockLocation.GPU)) for seq in promoted]
+        for seq, _ in moves:
+            seq.promoted = True
+        self.num_promotions += len(moves)
+        # Then split rows' device parts grow into what is left (placement.split_growth); each growth is a move too.
+        for seq in [s for s in self.running if s.is_split]:
+            count = placement.split_growth(seq, self.blocks, self.running, self._could_join())
+            if count:
+                moves.append(self.blocks.grow_device_part(seq, count))
+                self.num_split_growths += 1
+        return moves
+
+    def promotion_hold_back(self, horizon_steps: float) -> frozenset[int]:
+        """Host-tier sequences to keep out of the next host step because device-pool room for them frees up
+        before that step would be back: device-tier sequences within `horizon_steps` tokens of their budget
+        end by then. In the step they would have made one token; held back, they move up the moment the room
+        is there instead of a whole host step later, while the device lane runs dry."""
+        if not self.kv_promotion:
+            return frozenset()
+        freeing = sum(len(s.block_table) for s in self.running
+                      if s.location == BlockLocation.GPU and not s.in_prefill and s.tokens_left <= horizon_steps)
+        if not freeing:
+            return frozenset()
+        return frozenset(s.seq_id for s in promotions(self.running, self.blocks, extra_room=freeing))
+
+    def _demote_for_room(self) -> None:
+        """Frees the device blocks this step's rows need for their next tokens, by demoting device rows in
+        placement.demotion_victims's order. What the host pool cannot take is left to schedule_decode's
+        preemption of the newest row."""
+        pool = self.blocks.pool(BlockLocation.GPU)
+        decoding = [s for s in self.running if not s.in_prefill and s.status == SequenceStatus.RUNNING]
+        rows = [s for s in decoding if s.location == BlockLocation.GPU and not s.in_flight]
+        needs = {s.seq_id: pool.blocks_for(len(s)) > len(s.block_table) for s in rows}
+        needed = sum(needs.values())
+        pool.reclaim(wait=needed > pool.num_free)  # rather than demote, wait for a demotion's copy to land
+        if needed <= pool.num_free:
+            return  # the common step: room for every row, nothing to order
+        host = [s for s in decoding if s.location == BlockLocation.CPU]
+        for victim in demotion_victims(rows, host, self.stats):
+            if needed <= pool.num_free or not demotes(victim, self.kv_placement, self.blocks):
+                return
+            self._make_room(victim)
+            needed -= needs[victim.seq_id]
+
+    def _newest_on_tier(self, seq: Sequence) -> Sequence:
+        """The most recently admitted running sequence on seq's tier (seq itself if it is the newest)."""
+        return next(s for s in reversed(self.running)
+                    if s.location == seq.location and not s.in_flight and not s.in_prefill)
+
+    def _could_join(self) -> Iterator[Sequence]:
+        """The waiting requests that could be running beside the current ones (max_num_seqs): those the cost
+        check counts as joining the host lane. Not the whole queue, which can be thousands long."""
+        return islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
+
+    def _make_room(self, victim: Sequence) -> None:
+        """Frees a decoding sequence's blocks on its tier: demoted to the host tier where placement says so,
+        else preempted."""
+        if victim.location == BlockLocation.GPU and demotes(victim, self.kv_placement, self.blocks):
+            # Its device blocks are held for the copy (BlockPool.hold_until): the engine hands them out.
+            self.demotions.append((victim, self.blocks.move(victim, BlockLocation.CPU, hold=True)))
+            victim.demoted = True
+            self.num_demotions += 1
+        else:
+            self._preempt(victim)
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.blocks.deallocate(seq)
+        seq.status = SequenceStatus.WAITING
+        self.running.remove(seq)
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    def postprocess(self, batch: list[Sequence], token_ids: list[int]) -> list[Sequence]:
+        """Records a step's results; returns the sequences that finished."""
+        finished = []
+        for seq, token in zip(batch, token_ids):
+            seq.num_computed_tokens += seq.num_scheduled_tokens
+            self.blocks.register_computed_blocks(seq)
+            if seq.num_computed_tokens < len(seq):
+                continue  # one chunk of a longer prefill: its sample means nothing yet
+            seq.token_ids.append(token)
+            seq.finish_reason = self._finish_reason(seq, token)
+            if seq.finish_reason is not None:
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def launched(self, batch: list[Sequence]) -> None:
+        """Records a device-lane decode step that was queued but not yet read (async scheduling): each row's
+        newest token now has KV, and the token it samples holds a PENDING_TOKEN place until resolve. The next
+        step can be scheduled over these rows at once: lengths and block needs are known; only eos is not."""
+        for seq in batch:
+            seq.num_computed_tokens += 1
+            seq.token_ids.append(PENDING_TOKEN)
+
+    def resolve(self, batch: list[Sequence], token_ids: list[int], positions: list[int]) -> list[Sequence]:
+        """Puts a launched step's sampled ids in their places; returns the rows that finished. A row that
+        finished in an earlier step computed one more token in this one, which is dropped. A row that finishes
+        here may already be in the next step: its token there is dropped, and its place with it."""
+        finished = []
+        for seq, token, position in zip(batch, token_ids, positions):
+            if seq.is_finished:
+                continue
+            seq.token_ids[position] = token
+            if seq.status == SequenceStatus.RUNNING:  # (preempted since: it holds no blocks now)
+                self.blocks.register_computed_blocks(seq)
+            seq.finish_reason = self._finish_reason(seq, token, position + 1)
+            if seq.finish_reason is not None:
+                del seq.token_ids[position + 1 :]
+                self.finish(seq)
+                finished.append(seq)
+        return finished
+
+    def _finish_reason(self, seq: Sequence, token: int, length: int | None = None) -> str | None:
+        """Why seq ends with `token`, its length-th token (default: its newest), or None."""
+        params = seq.params
+        length = len(seq) if length is None else length
+        if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
+            return "stop"
+        if length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
+            return "length"
+        return None
+
+    def finish(self, seq: Sequence) -> None:
+        """Frees a sequence's blocks and takes it out of the queues."""
+        if seq.location is not None:
+            self.blocks.deallocate(seq)
+        seq.status = SequenceStatus.FINISHED
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)

@@ -1,0 +1,38 @@
+"""Host-pool writes queued on the host executor that nothing waits for yet.
+
+Host-tier prefill (the tokens the device does not write whole) and demotion without a mapped pool write host blocks
+on the executor. Every later reader of those blocks runs on the executor after them, so no step waits; a failed
+write is raised by the next check, and before a promotion reads host blocks the writes are settled.
+"""
+from concurrent.futures import Future
+
+
+class ExecutorWrites:
+    def __init__(self):
+        self._writes: list[Future] = []
+
+    def add(self, writes: list[Future]) -> None:
+        self._writes += writes
+
+    def pending(self) -> bool:
+        return not all(write.done() for write in self._writes)
+
+    def settle(self) -> None:
+        """Waits for every write queued so far, raising the first that failed."""
+        writes, self._writes = self._writes, []
+        for write in writes:
+            write.result()
+
+    def check(self, wait: bool = False) -> None:
+        """Raises the error of a write that has failed (with wait, once every write has finished); the writes
+        still running stay. After an error the writes behind it are dropped: the call they belong to failed."""
+        writes, self._writes = self._writes, []
+        for write in writes:
+            if wait or write.done():
+                write.result()
+            else:
+                self._writes.append(write)
+
+    def forget(self) -> None:
+        """Drops every write's outcome (LLMEngine.abort: a failed write belongs to the aborted call)."""
+        self._writes = []
