@@ -30,7 +30,7 @@ run: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
-# The suite on CUDA (DESIGN.md, "Testing"): engines in every placement on the Triton path, the kernels natively.
+# The suite on CUDA (docs/design.md, "Testing"): engines in every placement on the Triton path, the kernels natively.
 # pytest's output also goes to benchmarks/results/<device>/gpu_tests.txt (the slug the benchmarks use), after a
 # line naming the date, GPU and versions; the target's exit status is pytest's.
 GPU_SLUG := from benchmarks.bench_throughput import device_slug; print(device_slug())

@@ -1,7 +1,8 @@
 """A decode step of the engine against its own CUDA graph and the HBM bound, and a mixed workload's throughput
-against its bound and transformers' continuous batching, all in one run (GPU host; issue 12's measure).
+against its bound and transformers' continuous batching, all in one run (GPU host).
 
-    PYTHONPATH=. python benchmarks/bench_engine_step.py [--model qwen3-0.6b] [--out-dir DIR]
+    PYTHONPATH=. python benchmarks/bench_engine_step.py [--model qwen3-0.6b] [--out-dir DIR] [--earlier JSON]
+    PYTHONPATH=. python benchmarks/bench_engine_step.py --plot RESULT.json [EARLIER.json]   # the PNG only, no GPU
 
 steps: one engine (kv_placement="gpu") takes, for each context length, batches of sequences of that length;
 once they are prefilled, `--steps` decode steps are timed. wall_ms is the engine's step as a user's loop sees it
@@ -13,7 +14,8 @@ the HBM copy rate measured in this run.
 throughput: 256 prompts of lengths uniform in [100, 1024], 512 greedy tokens each (ignore_eos): the engine's
 output tok/s, the bound (every decode step at the HBM bound, prefill free: a bound generous to the engine), and
 transformers' `generate_batch` (continuous batching, sdpa) on the same prompts. Also nano-vllm's protocol
-(workload a of bench_throughput). Results: benchmarks/results/<device>/engine_step.json.
+(workload a of bench_throughput). Results: benchmarks/results/<device>/engine_step.json, and engine_step.png
+beside it: per batch, wall / graph and graph / HBM bound, one line per context (an earlier run's lines dashed).
 """
 import argparse
 import json
@@ -152,6 +154,37 @@ def hf_continuous_batching(path: str, prompts: list[list[int]], output_len: int)
         torch.cuda.empty_cache()
 
 
+def plot(result_path: str, earlier_path: str | None = None, out: str | None = None) -> str:
+    """Plots engine_step.json: a step's wall time over its graph's GPU time, and the graph's time over the HBM
+    bound, against the batch, one line per context; an earlier run's (same device kind) dashed. Returns the PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    runs = [(result_path, "-")] + ([(earlier_path, "--")] if earlier_path else [])
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    for path, style in runs:
+        with open(path) as f:
+            result = json.load(f)
+        label = f"{result['date']}" + (" (earlier)" if style == "--" else "")
+        for context in sorted({row["context"] for row in result["steps"]}):
+            rows = sorted((r for r in result["steps"] if r["context"] == context), key=lambda r: r["batch"])
+            batches = [r["batch"] for r in rows]
+            axes[0].plot(batches, [r["wall_over_gpu"] for r in rows], style, marker="o", label=f"{label}, ctx {context}")
+            axes[1].plot(batches, [r["gpu_over_bound"] for r in rows], style, marker="o", label=f"{label}, ctx {context}")
+    axes[0].axhline(1.05, color="grey", lw=0.8)
+    axes[0].set(xscale="log", xlabel="batch", ylabel="step wall / graph GPU time", title="host overhead per step")
+    axes[1].set(xscale="log", yscale="log", xlabel="batch", ylabel="graph time / HBM bound", title="the graph itself")
+    for ax in axes:
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    out = out or os.path.join(os.path.dirname(result_path), "engine_step.png")
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -170,7 +203,15 @@ def main() -> None:
     parser.add_argument("--skip-a", action="store_true")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out-dir", default=None)
+    parser.add_argument("--earlier", default=None, help="an earlier engine_step.json to plot dashed beside this run")
+    parser.add_argument("--plot", nargs="+", metavar="JSON",
+                        help="only plot: RESULT.json [EARLIER.json] to engine_step.png beside RESULT (no GPU needed)")
     args = parser.parse_args()
+    if args.plot:
+        if len(args.plot) > 2:
+            parser.error("--plot takes RESULT.json and at most one EARLIER.json")
+        print(f"wrote {plot(*args.plot)}")
+        return
     path = model_dir(args.model, args.model_cache)
     hbm_gbps = hbm_copy_gbps()
     batches, contexts = [int(b) for b in args.batches.split(",")], [int(c) for c in args.contexts.split(",")]
@@ -242,7 +283,7 @@ def main() -> None:
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "engine_step.json"), "w") as f:
         json.dump(result, f, indent=2)
-    print(f"wrote {out_dir}/engine_step.json")
+    print(f"wrote {out_dir}/engine_step.json and {plot(os.path.join(out_dir, 'engine_step.json'), args.earlier)}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,8 @@ device tier, the rest on the host tier). Every device-lane decode step is timed 
 (wall and thread CPU time), and so is every host-lane step on its own thread. The slowdown is the median
 device step at full batch with a host step in flight, over the median with the host lane idle. D takes
 several values (--device-seqs 10,32): at 32 rows of 1k tokens the step is GPU-bound and the lanes barely touch,
-while at the ~10 rows of the decode-heavy run auto's device steps were 5-7% slower than gpu's
-(profile_timeline.py, H100 host, 2026-11-22).
+while at the ~10 rows of the decode-heavy 0.6B workload auto's device steps ran 5-7% slower than gpu's (H100
+host, 2026-11-22; measured with benchmarks/profile_timeline.py at commit 1d50936).
 
 --async-scheduling times the device lane as the engine runs it by default: a step is the interval from one
 device-step launch to the next, so host work that overlaps the GPU's step costs nothing. --beside names what

@@ -1,10 +1,13 @@
-"""Merges a suite's parts into one result, plots it, and prints the README's headline table.
+"""Merges a suite's parts into one result, plots it, and prints its table; or prints docs/results.md's tables.
 
-    python -m benchmarks.report benchmarks/results/nvidia-h200 [--profile full]
+    python -m benchmarks.report benchmarks/results/<device> [--profile full]
+    python -m benchmarks.report benchmarks/results/<device> --markdown [--commit FILE=SHA ...]
 
 On the GPU host each part of the suite (workloads a + c, then b and its decode-heavy variant dh, per model) runs
 in its own device call and writes offload_<profile>_<part>.json; this writes offload_<profile>.json,
-offload_<profile>.png and offload_<profile>.md (the headline table) beside them.
+offload_<profile>.png and offload_<profile>.md (the table) beside them. --markdown writes nothing: it prints the
+device's section of docs/results.md (the suite, workloads a and c, and engine_step.json's decode step when there),
+every row naming its file, date and, from --commit, the commit it ran on.
 """
 import argparse
 import glob
@@ -22,10 +25,11 @@ def merge(out_dir: str, profile: str) -> dict:
                                 "date": part.get("date", _modified(path))})
         for key in ("profile", "device", "host_cores", "platform", "torch"):
             merged.setdefault(key, part[key])
-        merged["b"] += part.get("b", [])
+        merged["b"] += [{**b, "part": os.path.basename(path)} for b in part.get("b", [])]
         for key in ("a", "c"):
             if key in part:
                 merged[key] = part[key]
+                merged.setdefault("sources", {})[key] = os.path.basename(path)
     if not merged["parts"]:
         raise SystemExit(f"no offload_{profile}_*.json parts in {out_dir}")
     return merged
@@ -140,19 +144,109 @@ def headline(result: dict) -> str:
             lines.append(f"- c. {c['model']}, one sequence on a {c['budget_tokens']:,}-token device budget (host reads "
                          f"{c['host_read_gbps']:.0f} GB/s, HBM {c['hbm_gbps']:.0f} GB/s):")
             lines.append("")
-            lines.append("  | context | KV placement | device + host tokens | decode tok/s | bound | of bound | "
-                         "prefill tok/s | prefill / device only |")
-            lines.append("  |---|---|---|---|---|---|---|---|")
-            device_only = {run["context"]: run["prefill_tok_per_s"] for run in c["runs"].values()
-                           if run["placement"] == "gpu"}
-            for run in c["runs"].values():
-                where = {"auto": "split", "cpu": "host only", "gpu": "device only"}[run["placement"]]
-                reference = device_only.get(run["context"])
-                of_device = f"{run['prefill_tok_per_s'] / reference:.2f}" if reference else "-"
-                lines.append(f"  | {run['context']:,} | {where} | {run['kv_device_tokens']:,} + "
-                             f"{run['kv_host_tokens']:,} | {run['decode_tok_per_s']:.2f} | {run['bound_tok_per_s']:.2f} | "
-                             f"**{run['fraction_of_bound']:.2f}** | {run['prefill_tok_per_s']:.0f} | {of_device} |")
+            lines += ["  " + line for line in _c_table(c)]
     return "\n".join(lines)
+
+
+def _c_table(c: dict) -> list[str]:
+    """Workload c's runs: the split sequence, and the same wholly on each tier, against their bounds."""
+    lines = ["| context | KV placement | device + host tokens | decode tok/s | bound | of bound | prefill tok/s | "
+             "prefill / device only |", "|---|---|---|---|---|---|---|---|"]
+    device_only = {run["context"]: run["prefill_tok_per_s"] for run in c["runs"].values() if run["placement"] == "gpu"}
+    for run in c["runs"].values():
+        where = {"auto": "split", "cpu": "host only", "gpu": "device only"}[run["placement"]]
+        reference = device_only.get(run["context"])
+        of_device = f"{run['prefill_tok_per_s'] / reference:.2f}" if reference else "-"
+        lines.append(f"| {run['context']:,} | {where} | {run['kv_device_tokens']:,} + {run['kv_host_tokens']:,} | "
+                     f"{run['decode_tok_per_s']:.2f} | {run['bound_tok_per_s']:.2f} | "
+                     f"**{run['fraction_of_bound']:.2f}** | {run['prefill_tok_per_s']:,.0f} | {of_device} |")
+    return lines
+
+
+def results_md(out_dir: str, profile: str = "full", commits: dict[str, str] | None = None) -> str:
+    """One device's tables for docs/results.md, from the JSON in out_dir: the suite's b and dh rows, workloads a
+    and c, and the decode step of engine_step.json when it is there. Each row or table names its file, the date
+    the file records and the commit from `commits` (file name -> commit; "?" where not given)."""
+    commits = commits or {}
+    result = merge(out_dir, profile)
+    dates = {p["file"]: p["date"] for p in result["parts"]}
+
+    def source(name: str, date: str | None = None) -> str:
+        return f"`{name}` ({date or dates.get(name, '?')}, {commits.get(name, '?')})"
+
+    lines = []
+    if result["b"]:
+        lines += [f"Output tok/s of `bench_throughput.py --profile {profile}` on {result['device']} "
+                  f"({result['host_cores']} host cores, torch {result['torch']}). b is prompt-heavy, dh decode-heavy; "
+                  "ideal = gpu + the host tier's capacity (host read GB/s / KV bytes per token-step of a host row); "
+                  "transformers: its `generate` with the offloaded / dynamic cache (the dynamic one has the whole "
+                  "GPU).", "",
+                  "| workload | device KV budget, GiB (share of the batch's) | gpu | auto | auto/gpu | ideal | "
+                  "auto/ideal | cpu | transformers | file (date, commit) |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+    for b in result["b"]:
+        cpu = next((r.get("output_tok_per_s") for r in b["runs"] if r["placement"] == "cpu"), None)
+        peers = " / ".join(_n(b["peers"].get(k, {}).get("output_tok_per_s")) for k in ("hf_offloaded", "hf_dynamic"))
+        for i, budget in enumerate(sorted({r["budget_blocks"] for r in b["runs"] if r["placement"] == "gpu"},
+                                          reverse=True)):
+            at = {r["placement"]: r for r in b["runs"] if r["budget_blocks"] == budget}
+            gpu, auto = (at.get(p, {}).get("output_tok_per_s") for p in ("gpu", "auto"))
+            ideal = b.get("ideal_tok_per_s", {}).get(str(budget))
+            run = at.get("gpu", at.get("auto", {}))
+            first = i == 0
+            lines.append(f"| {_title(b) if first else ''} | {run.get('device_pool_gib', 0):.2f} "
+                         f"({_share(run.get('budget_fraction'))}) | {_n(gpu)} | {_n(auto)} | **{_r(auto, gpu)}** | "
+                         f"{_n(ideal)} | {_r(auto, ideal).rstrip('x')} | {_n(cpu) if first else ''} | "
+                         f"{peers if first and b['peers'] else ''} | {source(b['part'])} |")
+    sources = result.get("sources", {})
+    if "a" in result:
+        a = result["a"]
+        lines += ["", f"a. {a['model']}, {a['num_seqs']} sequences, prompt and output lengths uniform in "
+                      f"{list(a['range'])}, whole GPU (nano-vllm's protocol): **{_n(a['output_tok_per_s'])} output "
+                      f"tok/s**; {source(sources['a'])}."]
+    if "c" in result and "runs" in result["c"]:
+        c = result["c"]
+        lines += ["", f"c. {c['model']}, one sequence longer than a {c['budget_tokens']:,}-token device budget: split "
+                      "across the tiers, and the same wholly on each tier; the bound is the slower of its parts' reads "
+                      f"(host {c['host_read_gbps']:.0f} GB/s, HBM {c['hbm_gbps']:.0f} GB/s); {source(sources['c'])}.",
+                  ""] + _c_table(c)
+    step_path = os.path.join(out_dir, "engine_step.json")
+    if os.path.isfile(step_path):
+        with open(step_path) as f:
+            step = json.load(f)
+        lines += ["", *_step_table(step, source("engine_step.json", step.get("date")))]
+    return "\n".join(lines).strip("\n")
+
+
+def _step_table(step: dict, source: str) -> list[str]:
+    """bench_engine_step.py's grid: per batch and context, wall / graph replay and graph / HBM bound."""
+    contexts = sorted({row["context"] for row in step["steps"]})
+    by = {(row["batch"], row["context"]): row for row in step["steps"]}
+    lines = [f"Decode step of the {step['model']} shape under `gpu` (`bench_engine_step.py`; {source}): the step's "
+             "wall time over its CUDA graph's GPU time, and that GPU time over the HBM bound (weights once + the "
+             f"batch's KV, at {step['hbm_gbps']:,.0f} GB/s).", "",
+             "| batch | " + " | ".join(f"context {c:,}: wall / graph, graph / bound" for c in contexts) + " |",
+             "|---|" + "---|" * len(contexts)]
+    for batch in sorted({row["batch"] for row in step["steps"]}):
+        cells = [f"{by[batch, c]['wall_over_gpu']:.2f}x, {by[batch, c]['gpu_over_bound']:.2f}x" if (batch, c) in by
+                 else "-" for c in contexts]
+        lines.append(f"| {batch} | " + " | ".join(cells) + " |")
+    t = step.get("throughput")
+    if t:
+        lines += ["", f"{t['num_prompts']} prompts of lengths uniform in {t['prompt_range']}, {t['output_len']} greedy "
+                      f"tokens each: **{_n(t['tok_s'])} output tok/s = {t['of_bound']:.2f} of the HBM bound** "
+                      f"({_n(t['bound_tok_s'])}); async scheduling off {_n(t.get('tok_s_async_off'))}; transformers "
+                      f"`generate_batch` {_n(t.get('hf_cb_tok_s'))}"
+                      + (f"; workload a {_n(step['a']['output_tok_per_s'])}" if "a" in step else "") + "."]
+    return lines
+
+
+def _share(fraction) -> str:
+    """A budget's share of the batch's KV: 1/4 where it is one, else two digits."""
+    if not fraction:
+        return "-"
+    whole = round(1 / fraction)
+    return f"1/{whole}" if abs(1 / fraction - whole) < 1e-6 else f"{fraction:.2f}"
 
 
 def _modified(path: str) -> str:
@@ -172,7 +266,16 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out_dir")
     parser.add_argument("--profile", default="full")
+    parser.add_argument("--markdown", action="store_true", help="print docs/results.md's tables for this folder")
+    parser.add_argument("--commit", action="append", default=[], metavar="FILE=SHA",
+                        help="with --markdown: the commit a file's run measured (repeatable)")
     args = parser.parse_args()
+    if args.markdown:
+        bad = [c for c in args.commit if "=" not in c]
+        if bad:
+            parser.error(f"--commit takes FILE=SHA, got {bad[0]!r}")
+        print(results_md(args.out_dir, args.profile, dict(c.split("=", 1) for c in args.commit)))
+        return
     result = merge(args.out_dir, args.profile)
     name = os.path.join(args.out_dir, f"offload_{args.profile}")
     with open(name + ".json", "w") as f:

@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # One device call = one stage of checks and benchmarks; every result lands in $OUT (or benchmarks/results).
 # Usage: bash benchmarks/run_on_device.sh STAGE
-#   check, engine, tiers, e2e-only, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
-#   suite-dh-small, suite-dh-8b, kv-store, host-kernel, host-kernel-words, host-kernel-paired, amx-probe, placement-8b,
-#   placement-mixed, placement-ab, multi-gpu, multi-gpu-tp
+#   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
+#   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
+#   placement-ab, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
-#   python -m benchmarks.report benchmarks/results/nvidia-h200
+#   python -m benchmarks.report benchmarks/results/<device>
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
 OUT="${OUT:-benchmarks/results}"
@@ -24,12 +24,6 @@ case "${1:-check}" in
     step kernels 200 python3 benchmarks/check_gpu_kernels.py --out "$OUT/gpu_kernel_check.json"
     step throughput 240 python3 benchmarks/bench_throughput.py single --model qwen3-0.6b --num-seqs 64 --prompt-len 512 \
       --output-len 128 --kv-placement gpu --out "$OUT/throughput_qwen3-0.6b_b64.json"
-    step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
-    ;;
-  e2e)
-    step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
-    step profile_gpu 100 python3 benchmarks/profile_step.py --kv-placement gpu
-    step profile_cpu 100 python3 benchmarks/profile_step.py --kv-placement cpu
     ;;
   engine)
     for placement in gpu; do
@@ -38,11 +32,7 @@ case "${1:-check}" in
         --out "$OUT/throughput_qwen3-0.6b_b64_$placement.json"
     done
     ;;
-  e2e-only)
-    step e2e 200 python3 benchmarks/check_backends_e2e.py --out "$OUT/check_backends_e2e.json"
-    ;;
-  suite-ac)  # promotion stays exact on the GPU; then workloads a and c of the offload suite
-    step check_promotion 120 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
+  suite-ac)  # workloads a and c of the offload suite
     step suite_ac 450 python3 benchmarks/bench_throughput.py --profile full --workloads ac --out-dir "$OUT"
     ;;
   suite-c)  # workload c alone (split, host only, device only, at 262k and at 1.5x the budget; ~4-5 min)
@@ -50,7 +40,6 @@ case "${1:-check}" in
     ;;
   suite-ac-8b)  # suite-ac and suite-b-8b in one call (one machine start), with shorter limits; b 8B's third
     # budget (a 24 GiB card's) adds ~1 min, which 300 s may not hold: prefer suite-ac and suite-b-8b
-    step check_promotion 80 python3 benchmarks/check_promotion.py --out "$OUT/check_promotion.json"
     step suite_ac 200 python3 benchmarks/bench_throughput.py --profile full --workloads ac --out-dir "$OUT"
     step suite_b_8b 300 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names b \
       --b-models qwen3-8b --out-dir "$OUT"
@@ -71,42 +60,32 @@ case "${1:-check}" in
     step suite_dh_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names dh \
       --b-models qwen3-8b --out-dir "$OUT"
     ;;
+  engine-step)  # a decode step against its graph and the HBM bound, 256 mixed prompts, workload a (~8 min with HF)
+    step engine_step 570 python3 benchmarks/bench_engine_step.py --out-dir "$OUT"
+    ;;
   kv-store)  # what the K/V store inside the rotation's kernel pays (on by default, layers/fused.py): the step grid
     # with it and without it, side by side in one process
     step kv_store_off 500 python3 benchmarks/bench_engine_step.py --unfused --unfused-kernels kv_store --skip-hf \
       --skip-a --batches 1,4,16,64,256 --contexts 512,2048 --out-dir "$OUT/kv_store_off"
     ;;
-  host-kernel)  # the host kernel's paths side by side in one run: widening (default, twice) and bf16 dot, on
-    # 1 x 128k, 32 x 2,048 and a whole 36-layer host-lane step of 32 x 2,048 (decode_layers)
-    step host_kernel_rate 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,bf16_dot,base_again \
-      --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_lane.json"
+  lanes)  # the device lane's step with a host step in flight against idle, as the engine runs (async scheduling)
+    step lanes_8b 280 python3 benchmarks/bench_lane_interference.py --model qwen3-8b --device-seqs 24 --host-seqs 24 \
+      --host-prompt 1536 --output 160 --async-scheduling --out "$OUT/lane_interference_8b.json"
+    step lanes_06b 280 python3 benchmarks/bench_lane_interference.py --model qwen3-0.6b --device-seqs 10,32 \
+      --host-seqs 32 --host-prompt 2048 --output 160 --async-scheduling --out "$OUT/lane_interference_06b.json"
     ;;
-  host-kernel-words)  # the word tiles (default) against value-by-value widening (no_words), base timed twice
-    step host_kernel_rate_words 560 python3 benchmarks/profile_host_kernel_rate.py --variants base,no_words,base_again \
-      --batches 32x2048 --lane 36x32x2048 --out "$OUT/host_kernel_rate_words.json"
+  startup-load)  # start-up with a 32 GiB host pool (first and warm), then 10,000 mixed requests through one engine
+    step startup 200 python3 benchmarks/bench_startup.py --cpu-kv-cache-gb 32 --out "$OUT/startup.json"
+    step load 420 python3 benchmarks/bench_load.py --profile full --out "$OUT/load.json"
     ;;
-  host-kernel-paired)  # issue 11's 1 x 128k figure: each round against the ceiling read right before it
+  host-kernel-paired)  # the host kernel at 1 x 128k: each round against the ceiling read right before it
     for H in 32 16; do
       step cpu_attention_paired_hq$H 270 python3 benchmarks/bench_cpu_attention.py --cases 1x131072,8x16384 \
         --q-heads $H --threads 14 --no-sdpa --no-sweep --paired 9 --tag paired \
         --out "$OUT/cpu_attention_1x128k_paired_hq$H.json"
     done
     ;;
-  amx-probe)  # issue 11: q.K and P x V on AMX tiles against decode_kernel, in one process
-    grep -o 'amx[a-z_0-9]*' /proc/cpuinfo | sort -u > "$OUT/amx_flags.txt"; cat "$OUT/amx_flags.txt"
-    step amx_probe 500 python3 benchmarks/probe_amx_attention.py --batches 32x2048,8x16384 --profile \
-      --out "$OUT/amx_probe.json"
-    ;;
-  placement-8b)  # issue 10, off the suite: 8B decode-heavy with 96 requests at a 24 GB card's room, gpu once and
-    # auto three times (auto varied 0.94-1.03x there over five runs, 2026-11-23), each traced step by step
-    step trace_96_gpu 150 python3 -m benchmarks.trace_placement gpu --num-seqs 96 --cpu-kv-cache-gb 44 \
-      --out "$OUT/trace_96_3296_gpu.json"
-    for run in 1 2 3; do
-      step trace_96_auto_r$run 150 python3 -m benchmarks.trace_placement auto --num-seqs 96 --cpu-kv-cache-gb 44 \
-        --out "$OUT/trace_96_3296_auto_r$run.json"
-    done
-    ;;
-  placement-mixed)  # issue 10, off the suite: mixed lengths (each uniform in L x [1 - spread, 1 + spread]), gpu then
+  placement-mixed)  # off the suite: mixed lengths (each uniform in L x [1 - spread, 1 + spread]), gpu then
     # auto, by default at the points the replay (simulate_placement.py --mixed) put lowest and at decode-heavy 8B at a
     # 24 GB card's room. MIXED_POINTS: "model seqs prompt output blocks host_gb max_model_len spread; ..."
     IFS=';' read -ra points <<< "${MIXED_POINTS:-qwen3-8b 32 4096 128 1056 44 6336 0.5; qwen3-0.6b 64 2048 256 2304 24 3456 0.5;
@@ -121,7 +100,7 @@ case "${1:-check}" in
       done
     done
     ;;
-  placement-ab)  # issue 10: runs side by side in one call, each "placement" or "placement:NAME=VALUE[,NAME=VALUE]"
+  placement-ab)  # runs side by side in one call, each "placement" or "placement:NAME=VALUE[,NAME=VALUE]"
     # (bench_throughput.py --set-placement), at each point of AB_POINTS: "model seqs prompt output blocks host_gb
     # max_model_len; ...". A run repeated gets _r2, _r3... E.g. AB_RUNS="gpu auto auto:PROMOTION_HOLD_STEPS=0"
     IFS=';' read -ra points <<< "${AB_POINTS:-qwen3-8b 48 2048 512 2560 44 2560}"

@@ -1,8 +1,6 @@
 """`make run` / `offload-engine demo`: a batch of long prompts on the embedded tiny model, both KV tiers, then a
-greedy check of the same engine against transformers' own `generate` on the same model directory.
-
-The tiny model's weights are random, so its text means nothing; the check is what a newcomer can trust: the
-engine's greedy tokens, with KV on either tier, are transformers' greedy tokens, computed here and now.
+greedy check against transformers' own `generate` on the same model directory. The weights are random, so the
+text means nothing; the check is what a newcomer can trust: greedy tokens equal transformers', on either tier.
 """
 import time
 

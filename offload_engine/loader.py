@@ -1,8 +1,5 @@
-"""Builds a model from a Hugging Face directory. Weights come from safetensors only: never unpickled.
-
-Under tensor parallelism each rank reads only its own slice of each checkpoint tensor (safetensors' get_slice):
-the layers say which rows or columns are theirs (layers/linear.py, layers/embedding.py), and a rank never holds
-a whole sharded tensor, not even while loading.
+"""Builds a model from a Hugging Face directory. Weights come from safetensors only: never unpickled. Under tensor
+parallelism each rank reads only its own slice of each tensor (safetensors' get_slice), never a whole sharded one.
 """
 import glob
 import json

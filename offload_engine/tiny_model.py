@@ -1,7 +1,5 @@
-"""Tiny random Hugging Face models, built with transformers: the embedded default and the tests' oracle.
-
-Nothing is downloaded: the weights are random (seeded) and the tokenizer is a byte-level BPE trained on a
-few sentences, so the directory looks and loads exactly like a real checkpoint.
+"""Tiny random Hugging Face models, built with transformers: the embedded default and the tests' oracle. Nothing is
+downloaded: seeded random weights and a byte-level BPE trained on a few sentences, loading like a real checkpoint.
 """
 import os
 

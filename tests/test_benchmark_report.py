@@ -5,7 +5,7 @@ import json
 import pytest
 
 from benchmarks.bench_throughput import b_ratios, ideal_tok_per_s, part_name
-from benchmarks.report import _plot_ratios, headline, merge, plot
+from benchmarks.report import _plot_ratios, headline, merge, plot, results_md
 from benchmarks.workloads import PROFILES, BeyondVram, blocks_beside_weights
 
 COMMON = {"profile": "full", "device": "gpu-x", "host_cores": 16, "platform": "linux", "torch": "2.x",
@@ -93,6 +93,40 @@ def test_parts_merge_and_the_table_gives_auto_over_gpu_the_ideal_and_hf(tmp_path
     assert "0.70 of the host-read bound" in table and "2026-11-22" in table
     plot(result, str(tmp_path / "plot.png"))
     assert (tmp_path / "plot.png").stat().st_size > 0
+
+
+def test_results_md_names_each_rows_file_date_and_commit_and_renders_a_c_and_the_step_grid(tmp_path):
+    b = _b(ideal={"400": 500.0})
+    b["peers"]["hf_dynamic"] = {"output_tok_per_s": 120.0}
+    runs = {"262144:auto": {"placement": "auto", "context": 262144, "kv_device_tokens": 32768, "kv_host_tokens": 229376,
+                            "decode_tok_per_s": 3.0, "bound_tok_per_s": 4.0, "fraction_of_bound": 0.75,
+                            "prefill_tok_per_s": 9500.0},
+            "262144:gpu": {"placement": "gpu", "context": 262144, "kv_device_tokens": 262144, "kv_host_tokens": 0,
+                           "decode_tok_per_s": 90.0, "bound_tok_per_s": 100.0, "fraction_of_bound": 0.9,
+                           "prefill_tok_per_s": 10000.0}}
+    c = {"model": "m", "budget_tokens": 32768, "host_read_gbps": 95.0, "hbm_gbps": 3000.0, "runs": runs}
+    a = {"model": "m", "num_seqs": 256, "range": [100, 1024], "output_tok_per_s": 7800.0}
+    (tmp_path / "offload_full_b-m.json").write_text(json.dumps({**COMMON, "host_read_gbps": 80.0, "b": [b]}))
+    (tmp_path / "offload_full_a-c.json").write_text(json.dumps({**COMMON, "date": "2026-11-20", "host_read_gbps": 90.0,
+                                                                "a": a, "c": {"stale": True}}))
+    (tmp_path / "offload_full_c.json").write_text(json.dumps({**COMMON, "date": "2026-11-24", "host_read_gbps": 95.0,
+                                                              "c": c}))
+    steps = [{"batch": 1, "context": 512, "wall_over_gpu": 1.014, "gpu_over_bound": 3.39},
+             {"batch": 256, "context": 512, "wall_over_gpu": 1.001, "gpu_over_bound": 1.24}]
+    throughput = {"num_prompts": 256, "prompt_range": [100, 1024], "output_len": 512, "tok_s": 23867.0,
+                  "bound_tok_s": 30159.0, "of_bound": 0.79, "tok_s_async_off": 20962.0, "hf_cb_tok_s": 777.0}
+    (tmp_path / "engine_step.json").write_text(json.dumps({"model": "m", "date": "2026-11-24", "hbm_gbps": 2981.0,
+                                                           "steps": steps, "throughput": throughput}))
+    md = results_md(str(tmp_path), "full", {"offload_full_b-m.json": "abc1234", "engine_step.json": "776ca96"})
+    # gpu 300, auto 330 (1.10x), ideal 500 (0.66), cpu 90, transformers offloaded 50 / dynamic 120; budget 0.40 GiB, 1/4
+    assert ("| b. m, 8 x (100 + 10) | 0.40 (1/4) | 300 | 330 | **1.10x** | 500 | 0.66 | 90 | 50 / 120 | "
+            "`offload_full_b-m.json` (2026-11-22, abc1234) |") in md
+    assert "**7,800 output tok/s**; `offload_full_a-c.json` (2026-11-20, ?)" in md  # no commit given: "?"
+    assert "`offload_full_c.json` (2026-11-24, ?)" in md  # c from the later part, not a-c's stale one
+    assert "| 262,144 | split | 32,768 + 229,376 | 3.00 | 4.00 | **0.75** | 9,500 | 0.95 |" in md
+    assert "`engine_step.json` (2026-11-24, 776ca96)" in md
+    assert "| 1 | 1.01x, 3.39x |" in md and "| 256 | 1.00x, 1.24x |" in md
+    assert "**23,867 output tok/s = 0.79 of the HBM bound** (30,159)" in md
 
 
 def test_the_ratio_panel_plots_auto_over_gpu_and_over_the_ideal_at_each_budgets_device_pool():

@@ -1,12 +1,8 @@
-"""Tensor parallelism: one process per rank, rank 0's engine driving the other ranks' runners call for call.
-
-- parallel_state.py: which slice of the model a process holds (Partition), and one process group per engine lane.
-- wire.py: the snapshot of a sequence that crosses to the workers.
-- workers.py: the worker processes (ranks 1..N-1): start, the lanes' channels, failures, shutdown.
-- tp_runner.py: rank 0's runner, ModelRunner's interface to the engine, mirroring every call to the workers.
-
-The layers split themselves by the Partition they are built with (layers/linear.py, layers/embedding.py), and the
-loader reads only a rank's slices (loader.py).
+"""Tensor parallelism: one process per rank, rank 0's engine driving the other ranks' runners call for call
+(docs/decisions/multi-gpu.md). parallel_state.py: a process's slice of the model (Partition) and one process group per
+engine lane; wire.py: the sequences that cross to the workers; workers.py and worker.py: the worker processes;
+tp_runner.py: rank 0's runner, mirroring every call. The layers split themselves by their Partition
+(layers/linear.py, layers/embedding.py); the loader reads only a rank's slices (loader.py).
 """
 
 

@@ -1,14 +1,10 @@
-"""Which slice of the model this process holds, and the process groups its collectives go over.
+"""Which slice of the model this process holds (Partition), and the process groups its collectives go over.
 
-One group per engine lane. The device lane (prefill, device decode, tier moves) and the host lane (host-tier
-decode) call the runner from two threads at once, in an order that differs from run to run, while every rank must
-pair each collective with the same collective of the other ranks. Each lane therefore has a group of its own (a
-communicator of its own under NCCL, its own sockets under gloo), and each lane's calls reach every rank in one
-order (distributed/workers.py): the collectives of one lane pair up, and never with the other lane's. Whoever runs
-a lane's call names the lane for its thread (`lane`), and the layers' collectives (`all_reduce`, `all_gather`)
-take that lane's group.
-
-One tensor-parallel engine per process at a time: torch.distributed keeps its groups per process.
+One group per engine lane: the two lanes call the runner from two threads at once, in an order that differs from run
+to run, while every rank must pair each collective with the same one of the other ranks. Each lane's calls reach every
+rank in one order (workers.py), so one lane's collectives pair up, never with the other lane's. A lane's caller names
+it for its thread (`lane`); `all_reduce` and `all_gather` take its group. One tensor-parallel engine per process at a
+time: torch.distributed keeps its groups per process.
 """
 import dataclasses
 import datetime
@@ -19,8 +15,7 @@ import torch
 import torch.distributed as dist
 
 LANES = ("device", "host")
-# A collective waits this long for the other ranks before it fails. It bounds a hang (a rank stuck in a bug);
-# a rank that dies is noticed at once: gloo's sockets close, and the watcher aborts NCCL's groups (workers.py).
+# Bounds a hang (a rank stuck in a bug); a rank that dies is noticed at once (workers.py's watcher).
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
 
@@ -40,9 +35,8 @@ class Partition:
         return self.rank * self.share(count)
 
     def local_shape(self, model_cfg):
-        """The model as one rank sees it: its share of the attention and KV heads and of the MLP (the KV pools, the
-        host executor's kernels and the graphs are sized from this). The vocabulary stays whole: every rank holds
-        the full logits (layers/embedding.py)."""
+        """The model as one rank sees it (what the pools, kernels and graphs are sized from): its share of the heads,
+        KV heads and MLP. The vocabulary stays whole: every rank holds the full logits (layers/embedding.py)."""
         if self.size == 1:
             return model_cfg
         return dataclasses.replace(model_cfg, num_heads=self.share(model_cfg.num_heads),
@@ -89,9 +83,8 @@ def destroy() -> None:
 
 
 def abort() -> None:
-    """Makes the collectives a rank is stuck in fail, once another rank has died (workers.py's watcher). gloo
-    needs nothing: a dead peer's sockets close and its collectives fail by themselves. NCCL kernels would spin on:
-    its communicators are aborted."""
+    """Makes the collectives a rank is stuck in fail, once another rank has died (workers.py's watcher): NCCL's
+    communicators are aborted (its kernels would spin on); gloo's fail by themselves."""
     groups = _groups
     if groups is None or groups.backend != "nccl":
         return
@@ -129,8 +122,7 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:
-    """The ranks' tensors concatenated along `dim`, rank 0's first. The list form: all_gather_into_tensor is
-    deprecated in newer torch, and its replacement is not in older ones."""
+    """The ranks' tensors concatenated along `dim`, rank 0's first (the list form works across torch versions)."""
     tensor = tensor.contiguous()
     parts = [torch.empty_like(tensor) for _ in range(dist.get_world_size(_group()))]
     dist.all_gather(parts, tensor, group=_group())

@@ -1,21 +1,11 @@
 """Rank 0's runner under tensor parallelism: ModelRunner's interface to the engine, each call mirrored to the workers.
 
-The engine (scheduler, block manager, placement) lives on rank 0 alone and never knows there are other ranks. Each
-call it makes of its runner that changes a rank's state (a step, a promotion or demotion, a drain) goes to every
-worker on that lane's channel and then runs on rank 0's own ModelRunner, under that lane's process group; the
-ranks' collectives meet inside the model. Every rank computes the same full logits and samples the same ids with the
-same keys (layers/embedding.py), so what rank 0 returns is the step's result for all, and nothing comes back from the
-workers but failures. Everything else (pool sizes, the backend, timings, the host lane's properties) is read from
-rank 0's own runner.
-
-What tensor parallelism does not do yet:
-- CUDA graphs: every rank runs eagerly, as with enforce_eager (ModelRunner._capture_decode_graphs). Collectives
-  inside captured graphs, with the two lanes' NCCL communicators on one device, are not verified on a GPU.
-- One tensor-parallel engine per process at a time (torch.distributed's groups are per process), and none in a
-  process that has a process group of its own: ValueError before any work.
-- prefill_device with tensor parallelism (config.py refuses it).
-- After a failure on any rank (or an interrupt inside a step), the ranks may be out of step: every later call
-  raises, and the LLM must be closed and made anew.
+The engine lives on rank 0 alone. Each call that changes a rank's state (a step, a move, a drain) goes to every worker
+on its lane's channel, then runs on rank 0's ModelRunner under that lane's process group. Every rank samples the same
+ids (layers/embedding.py), so rank 0's result is everyone's and workers send back only failures; read-only state is
+rank 0's. Limits: every rank runs eagerly, with no CUDA graphs (docs/decisions/multi-gpu.md, "TP ranks run eagerly
+today"); one TP engine per process, none beside a process group of the caller's; no prefill_device (config.py refuses
+it); after any failure every later call raises, and the LLM must be made anew.
 """
 import torch.distributed as dist
 
@@ -27,8 +17,7 @@ from offload_engine.engine.runner.model_runner import ModelRunner
 
 
 class TensorParallelRunner:
-    # A demotion's copy beside the device lane frees its held blocks on rank 0's event alone, while every rank
-    # copies its own shard: each rank's copy stays in front of its next step instead.
+    # Rank 0's event says nothing of the other ranks' copies: each rank's demotion stays in front of its next step.
     demotes_beside_device_lane = False
 
     def __init__(self, model_dir: str, model_cfg, cfg, dtype, max_model_len: int):
@@ -57,8 +46,7 @@ class TensorParallelRunner:
             raise blamed from error
 
     def __getattr__(self, name: str):
-        """Read-only state (num_gpu_blocks, backend, host_kernel_seconds, promotes_beside_host_steps, ...) and
-        questions about it (host_writes_pending): rank 0's own, which the engine decides from."""
+        """Read-only state and questions about it (num_gpu_blocks, host_writes_pending, ...): rank 0's own."""
         runner = self.__dict__.get("runner")
         if runner is None:
             raise AttributeError(name)
@@ -133,7 +121,7 @@ class TensorParallelRunner:
 
     def close(self) -> None:
         """Stops the workers, releases rank 0's runner, leaves the process groups. Idempotent; after a failure too.
-        The engine has stopped its host lane first (LLMEngine.close)."""
+        The engine has stopped its host lane first."""
         if self.closed:
             return
         self.closed = True

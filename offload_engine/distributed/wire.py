@@ -1,19 +1,10 @@
 """Sequences as they cross to the workers: what a runner reads of them, as it was when rank 0 made the call.
 
-A worker's runner reads a sequence's block tables, counts, tier and sampling settings, and of its tokens only those
-it computes now: from num_computed_tokens on (a prefill chunk, or a decode step's newest token; the earlier
-tokens' KV is in the cache already). So only those tokens cross, and the worker's copy holds zeros in the places of
-the others, which nothing on a worker reads: a decode step of a 32k-token sequence sends one token, not 32k.
-A token the device lane's step in flight has sampled crosses as PENDING_TOKEN, as rank 0 holds it: each worker's
-step takes it from its own in-flight step on its device, where it is the same id (layers/embedding.py).
-
-Everything crosses as JSON (encode_call / decode_call), never pickled: a worker builds objects only of the types
-named here (Sequence, its two enums, SamplingParams), whatever the bytes on its channel say. The snapshot is taken at
-the call; rank 0's scheduler goes on changing its sequences afterwards.
-
-On a worker each sequence is one object for as long as anything holds it (SequenceMirror), updated in place from
-each snapshot, as rank 0's sequences are by its scheduler: the device lane's persistent input batch keeps its rows'
-sequence objects from step to step (engine/runner/input_batch.py) and reads their new lengths and tokens from them.
+Only the tokens a worker computes now cross (from num_computed_tokens on); its copy holds zeros elsewhere, which nothing
+there reads. A token the device lane's step in flight sampled crosses as PENDING_TOKEN; each worker takes it from its
+own in-flight step. Everything crosses as JSON, never pickled: a worker builds only the types named here. On a worker
+each sequence is one object updated in place (SequenceMirror), as the persistent input batch keeps its rows' objects
+from step to step. Why: docs/decisions/multi-gpu.md, "The wire: JSON snapshots, only the tokens computed now".
 """
 import dataclasses
 import json

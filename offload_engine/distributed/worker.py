@@ -1,19 +1,11 @@
 """A worker process: rank r (1..N-1) of a tensor-parallel engine, a ModelRunner that mirrors rank 0's calls.
 
-Rank 0's engine calls its runner from two threads, one per lane (engine/llm_engine.py), and a worker does the same:
-one thread serves each lane's channel, in the order rank 0 made that lane's calls, under that lane's process group
-(parallel_state.py). So a long host-lane step never holds up the device lane here either.
-
-Across the lanes, a worker keeps the order that mattered on rank 0. Each call carries `after`: how many calls of the
-other lane rank 0 had finished when it made this one, and the worker starts it only once it has finished as many
-itself. That is what the engine relies on between its threads: a host step starts after the demotion that filled
-its host blocks, and a promotion reads host blocks after the host step that wrote them came back. Calls rank 0 ran
-side by side may run here in either order, as they might have there. The order is one rank 0 really ran, so it
-cannot deadlock.
-
-Failure: an exception in a call is reported to rank 0 with its traceback, and the process exits at once. Exiting
-is what frees the other ranks: their collectives with this rank fail (gloo's sockets close; rank 0's watcher aborts
-NCCL's communicators) instead of waiting. A worker whose parent has died exits too.
+As on rank 0, one thread serves each lane's channel, in the order rank 0 made that lane's calls, under that lane's
+process group: a long host step never holds up the device lane. Each call carries `after`, the calls of the other
+lane rank 0 had finished when it made this one; the worker starts it only once it has finished as many itself
+(docs/decisions/multi-gpu.md, "One process group per lane, and the `after` count"). A failed call is reported to rank
+0 with its traceback and the process exits at once, which frees the other ranks' collectives with it. A worker whose
+parent has died exits too.
 """
 import dataclasses
 import json
@@ -143,9 +135,8 @@ class _Mirror:
         self.runner.forget_device_step()
 
     def _after_own_promotions(self, seqs) -> None:
-        """On CUDA a promotion's copy runs beside the device lane (ModelRunner.promote), and rank 0's engine keeps
-        the promoted rows out of steps until *its* copy has landed. This rank's copy may not have: the device lane's
-        stream waits for it, on the device, before the first step with one of those rows."""
+        """Rank 0 keeps promoted rows out of steps until *its* copy has landed; this rank's may not have. The device
+        lane's stream waits for it, on the device, before the first step with one of those rows."""
         rows = {seq.seq_id for seq in seqs}
         pending = []
         for landed, moved in self.promoting:

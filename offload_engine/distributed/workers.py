@@ -1,19 +1,11 @@
 """Rank 0's handle on the worker processes: start them, send each lane's calls, hear of failures, stop them.
 
-Channels, per worker: a pipe per lane carrying rank 0's calls of that lane in order (and the answers to those that
-ask for one), and a report pipe on which the worker says it is joining, has stopped, or has failed (worker.py). A
-watcher thread reads the report pipes and the processes' sentinels, so a worker that fails or dies is noticed at
-once, whatever rank 0 is doing: it records the failure and aborts NCCL's groups, so that no collective of rank 0
-waits for a rank that is gone (gloo's fail by themselves). Every wait here has a timeout.
-
-Start: spawned processes (fork would copy a process whose CUDA and threads are already running), daemonic (they end
-with the interpreter at the latest), meeting at a file in a directory of the engine's own (parallel_state.init).
-A script that makes a tensor-parallel LLM must guard its top level with `if __name__ == "__main__":`, as
-multiprocessing's spawn requires.
-
-Stop: both lanes' channels get STOP (None); each worker closes its runner, says "stopped" and leaves the groups; rank 0
-leaves them once every worker has said so (so no worker's last collective loses its peer), and joins the processes.
-A worker that does not stop in time (stuck after a failure) is terminated, then killed.
+Per worker: a pipe per lane carrying that lane's calls in order (and the answers to those that ask), and a report pipe
+(joining, stopped, failed). A watcher thread reads the reports and the processes' sentinels, records a failure at once
+and aborts NCCL's groups, so no collective of rank 0 waits for a rank that is gone. Every wait has a timeout. Workers
+are spawned and daemonic: a script that makes a TP LLM must guard its top level with `if __name__ == "__main__":`.
+Stop: both lanes get STOP; each worker closes its runner, says "stopped" and leaves the groups; rank 0 leaves once all
+have, then joins them, terminating (then killing) one that does not end in time.
 """
 import multiprocessing
 import os
@@ -44,8 +36,8 @@ class WorkerError(RuntimeError):
 
 
 class _Health:
-    """What the watcher has heard: the workers that are joining, have stopped or have ended, and failures (time,
-    rank, text). Once rank 0 is stopping the workers, their failures no longer count."""
+    """What the watcher has heard: workers joining, stopped or ended, and failures (time, rank, text). Once rank 0
+    is stopping the workers, their failures no longer count."""
 
     def __init__(self):
         self.changed = threading.Condition()
@@ -85,8 +77,7 @@ class WorkerGroup:
         self.lanes = {lane: [] for lane in parallel_state.LANES}  # lane -> rank 0's end of each worker's channel
         self.reports, self.processes = [], []
         self._wake_read, self._wake = context.Pipe(duplex=False)  # ends the watcher
-        # At interpreter exit, or if the group is dropped unclosed (or half made), the workers still go, without a
-        # clean stop, and so does the watcher.
+        # Dropped unclosed (or half made), or at interpreter exit: the workers and the watcher still go.
         self._finalizer = weakref.finalize(self, _release, self.processes, self.store_dir, self._wake, 0.0)
         for rank in range(1, size):
             ends = {lane: context.Pipe() for lane in parallel_state.LANES}
@@ -119,9 +110,8 @@ class WorkerGroup:
             raise error
 
     def blame(self, error: BaseException) -> BaseException:
-        """Rank 0's own call failed. Where it failed talking to the other ranks (a collective, a pipe), the failure
-        of a worker if one comes to light (its report may be on its way: a collective fails as soon as the worker's
-        process has gone); otherwise (a ValueError every rank raises alike, an interrupt) the error itself."""
+        """Rank 0's own call failed: where talking to the other ranks (a collective, a pipe), a worker's failure if
+        one comes to light within BLAME_GRACE (its report may be on its way); otherwise the error itself."""
         if not isinstance(error, (RuntimeError, ConnectionError, EOFError)):
             return error
         self.health.wait_for(lambda: False, BLAME_GRACE)

@@ -1,14 +1,9 @@
-"""The heap that start-up leaves is frozen out of the garbage collector's full scans while an engine is open.
+"""Freezes the heap that start-up leaves out of the garbage collector's full scans while an engine is open.
 
-A full (generation 2) collection walks every object the collector tracks. After start-up that is several hundred
-thousand of them (torch, transformers, triton, numba, the model's modules), and on the H100 host one such
-collection took 0.28-0.32 s in the middle of an 8B run, holding the engine's thread, and so the device lane, for
-all of it (benchmarks/trace_placement.py --slow-calls, 2026-11-24). Frozen objects are not scanned; what the steps
-allocate is collected as before. vLLM freezes its engine process's heap after start-up for the same reason.
-
-Frozen objects are still freed by reference counting: only cycles among them wait until the heap is unfrozen,
-when the last open engine closes (close() and garbage collection of an LLM both get there). Freezing is
-process-wide, so while any engine is open, cyclic garbage from before it opened is held too.
+A full collection walks all of it, holding the engine's thread, and so the device lane, throughout
+(docs/decisions/memory.md, "The frozen GC heap"). Frozen objects are still freed by reference counting; only cycles
+among them wait until the last open engine closes. Freezing is process-wide: while any engine is open, cyclic
+garbage from before it opened is held too.
 """
 import gc
 import threading

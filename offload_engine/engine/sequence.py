@@ -37,7 +37,7 @@ class Sequence:
         self.promoted = False  # its KV moved from the host tier to the device pool (engine/tiers/kv_promotion.py)
         self.demoted = False  # its KV moved from the device pool to the host tier (engine/tiers/kv_demotion.py)
         self.block_table: list[int] = []  # block ids in its tier's pool (a split sequence: its host part's)
-        # A split sequence (DESIGN.md, "Sequences across both tiers") lives on the host tier with the KV of its
+        # A split sequence (docs/design.md, "Sequences across both tiers") lives on the host tier with the KV of its
         # first num_device_tokens tokens in these device blocks; block_table holds the rest, from that token on.
         self.device_prefix: list[int] = []
         self.num_device_tokens = 0

@@ -1,12 +1,11 @@
-"""The split attention layer: GPU-tier rows attend on the device, CPU-tier rows on the host.
+"""The split attention layer (docs/design.md, "The split attention layer"): device-tier rows attend on the device,
+host-tier rows on the host.
 
-Per step and layer (DESIGN.md, "The split attention layer"):
-- K/V writes go to each token's own tier: `slot_mapping` into the device pool, `slot_mapping_cpu` into the
-  host pool (one batched device-to-host copy, then `cpu_attention.store_kvcache` on the host executor).
-- Decode: the CPU half is launched first (q crosses to the host, numba runs on host threads, nogil) and the
-  device half overlaps it; the host result crosses back and the two are merged by log-sum-exp.
-- Prefill is compute-bound and always runs on the device. A CPU-tier row's cached prefix is staged from the
-  host pool into a token-major staging cache for the layer; nothing else of its KV moves.
+- K/V writes go to each token's own tier: `slot_mapping` into the device pool, `slot_mapping_cpu` into the host pool.
+- Decode: the host half is launched first (q crosses to the host, numba runs on host threads, nogil) and the device
+  half overlaps it; the host result crosses back and the two are merged by log-sum-exp.
+- Prefill always runs on the device. A host-tier row's cached prefix is staged from the host pool into a token-major
+  staging cache for the layer; nothing else of its KV moves (docs/decisions/host-prefill.md).
 """
 import time
 
@@ -26,10 +25,10 @@ class Attention(nn.Module):
         self.k_cache_cpu = self.v_cache_cpu = None  # host tier, head-major [blocks, Hkv, cpu_block_size, D]
         self.backend = None  # the device tier's kernels (layers.attention_backends)
         self.executor = None  # cpu_attention.CpuAttentionExecutor: the host tier's one worker thread
-        self.ring = None  # engine.pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic to the host
+        self.ring = None  # engine/tiers/pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic
         self.copy_stream = None  # with the ring: where host-tier prefill K/V cross to it, beside the layer's compute
-        # The host tier as the device addresses it (the pinned pool mapped on CUDA, the pool itself on the CPU), or
-        # None: where host-tier prefill writes whole host blocks (layers/host_block_writes.py).
+        # The host tier as the device addresses it (mapped pinned pool; on the CPU the pool itself), or None: where
+        # host-tier prefill writes whole host blocks (layers/host_block_writes.py).
         self.k_cache_mapped = self.v_cache_mapped = None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
@@ -96,9 +95,8 @@ class Attention(nn.Module):
 
     def _write_host_tier(self, k, v, block_writes, token_indices: torch.Tensor | None, token_slots: torch.Tensor,
                          pending_writes: list) -> None:
-        """A prefill's host-tier K/V into the host pool: the blocks the device writes whole (block_writes, into the
-        pool as the device addresses it), and the other tokens through the executor (their futures appended to
-        pending_writes)."""
+        """A prefill's host-tier K/V into the host pool: whole blocks by the device (block_writes), the other tokens
+        through the executor (their futures appended to pending_writes)."""
         if block_writes is not None:
             write_host_blocks(k, v, block_writes, self.k_cache_mapped, self.v_cache_mapped, self.copy_stream)
         if token_slots.numel():
@@ -124,12 +122,9 @@ class Attention(nn.Module):
 
     def _copies_to_ring(self, *tensors):
         """Host copies of same-shaped device tensors, in one region of the pinned ring (on CUDA), their region,
-        and the event after which they have landed (None off CUDA).
-
-        The copies run on their own stream: on the layer's stream they held up its compute for as long as they
-        took, ~7% of an 8B host-tier prefill step (16k tokens: 2.3 GB across, 640 against 600 ms; H100 host,
-        2026-11-22, benchmarks/profile_timeline.py). record_stream keeps the allocator from handing the tensors'
-        memory to later layers before the copies have read it."""
+        and the event after which they have landed (None off CUDA). The copies run on their own stream, beside the
+        layer's compute (docs/decisions/host-prefill.md, "Host-tier K/V cross on a copy stream"); record_stream
+        keeps the allocator from handing the tensors' memory to later layers before the copies have read it."""
         if self.ring is None:
             return [_to_host(t) for t in tensors], None, _record_event(tensors[0])
         staged, region = self.ring.take((len(tensors), *tensors[0].shape), tensors[0].dtype)
@@ -147,8 +142,7 @@ class Attention(nn.Module):
         return self.ring.take(shape, dtype)
 
     def _stage_prefix(self, staging: PrefixStaging, device: torch.device):
-        """Copies the CPU-tier prefix blocks into a token-major device cache, transposing on the device, and the
-        device parts of split rows after them."""
+        """The host-tier prefix blocks, then split rows' device parts, in a token-major device cache."""
         num_prefix = staging.source_blocks.numel()
         staged = []
         for host_pool, device_pool in ((self.k_cache_cpu, self.k_cache), (self.v_cache_cpu, self.v_cache)):
@@ -159,10 +153,9 @@ class Attention(nn.Module):
         return staged
 
     def stage_segment(self, segment) -> list[torch.Tensor]:
-        """A layer's staging cache for a layer-major prefill segment (engine/runner/prefill_segment.py), in token order:
-        staging block j holds the sequence's tokens [j * cpu_block_size, (j + 1) * cpu_block_size). The device
-        part of a split sequence and the host prefix before the segment are staged once; the segment's chunks
-        write their own K/V into it as they go (attend_segment_chunk)."""
+        """A layer's staging cache for a layer-major prefill segment (engine/runner/prefill_segment.py), in token
+        order: staging block j holds tokens [j * cpu_block_size, (j + 1) * cpu_block_size). The device part of a
+        split sequence and the host prefix are staged once; the chunks write their own K/V into it as they go."""
         staged = []
         device = self.k_cache.device
         num_device = segment.num_device_part_blocks
@@ -175,9 +168,8 @@ class Attention(nn.Module):
         return staged
 
     def attend_segment_chunk(self, q, k, v, staged: list[torch.Tensor], chunk, pending_writes: list):
-        """One chunk of a layer-major segment: its K/V go to their own tier (device slots, or host slots through
-        the ring and the executor) and into the layer's staging cache, where its queries attend over the prefix
-        and the segment's tokens up to their own."""
+        """One chunk of a layer-major segment: its K/V go to their own tier and into the layer's staging cache,
+        where its queries attend over the prefix and the segment's tokens up to their own."""
         if chunk.has_device_tokens:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, chunk.device_slots)
         self._write_host_tier(k, v, chunk.block_writes, chunk.host_token_indices, chunk.host_token_slots,
@@ -208,8 +200,7 @@ class Attention(nn.Module):
 
     @staticmethod
     def _gather_device_parts(device_pool: torch.Tensor, device_source: torch.Tensor, into: torch.Tensor) -> None:
-        """Split rows' device parts into staging blocks: consecutive device blocks of one part are consecutive
-        tokens, a host block's worth per staging block."""
+        """Split rows' device parts into staging blocks, a host block's worth of consecutive tokens each."""
         if not device_source.numel():
             return
         parts = device_pool.index_select(0, device_source)
@@ -218,10 +209,9 @@ class Attention(nn.Module):
 
     def compile_staged_prefill(self) -> None:
         """Runs the device kernels of a host-tier prefill once, on two tokens, so that their variants for the
-        staging cache compile at start-up. Its block size is the host tier's, a compile-time constant of the Triton
-        kernels, so they compiled in the first host-tier prefill: 1.4 s of an 8B run's first such step, 0.88x gpu
-        where the next budget's run, compiled by then, reached 0.97x (H100 host, 2026-11-22,
-        benchmarks/profile_timeline.py). The whole-block host writes' kernel too, on a stand-in pool."""
+        staging cache (the host tier's block size, a Triton constexpr) and the whole-block host writes' kernel
+        compile at start-up, not in the first host-tier prefill (docs/decisions/host-prefill.md, "Staged-prefill
+        kernels compiled at start-up")."""
         _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
         device, dtype, tokens = self.k_cache.device, self.k_cache.dtype, 2
         q = torch.randn(tokens, self.num_heads, head_dim, device=device, dtype=dtype)

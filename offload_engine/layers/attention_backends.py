@@ -1,10 +1,8 @@
-"""The GPU tier's attention backends behind one small interface.
-
-Every backend offers the kernel contract of DESIGN.md on the token-major `[num_blocks, block_size, Hkv, D]`
-layout: store_kvcache, paged_decode_attention, paged_prefill_attention and merge_attn_states, each attention
-function returning (out, lse). "torch" runs anywhere; "triton" is our own kernels (CUDA, or CPU tensors
-under TRITON_INTERPRET=1); "flash-attn" uses flash-attn's paged functions where its layout rules allow and
-our Triton kernels elsewhere.
+"""The device tier's attention backends behind one interface: the kernel contract of docs/design.md ("Kernel
+contracts") on the token-major `[num_blocks, block_size, Hkv, D]` layout (store_kvcache, paged_decode_attention,
+paged_prefill_attention, merge_attn_states; attention returns (out, lse)). "torch" runs anywhere; "triton" is our
+own kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1); "flash-attn" uses flash-attn's paged functions where its
+layout rules allow and our Triton kernels elsewhere.
 """
 import importlib.util
 import os

@@ -1,11 +1,10 @@
 """The token embedding and the LM head, vocab-parallel under tensor parallelism.
 
-Each rank holds the rows of one contiguous range of the vocabulary, padded to a multiple of the ranks (the padding
-rows are zero and no token id reaches them). The embedding looks up the ids in its range, zeroes the rest, and sums
-over the ranks. The head computes its range's logits and gathers every range, so every rank holds the same full
-logits: with the same sampling keys each rank samples the same ids, no token is ever sent between ranks, and the
-device lane's async scheduling (sampled ids feeding the next step on the device) works on every rank as it is.
-With one rank both are the plain lookup and projection: the same parameters, the same single call.
+Each rank holds one contiguous range of the vocabulary, padded to a multiple of the ranks (padding rows are zero and
+no id reaches them). The embedding looks up the ids in its range, zeroes the rest and sums over the ranks. The head
+gathers every range's logits, so every rank holds the same full logits and, with the same keys, samples the same
+ids: no token is sent between ranks, and the device lane's async scheduling works on every rank as it is. With one
+rank both are the plain lookup and projection.
 """
 import torch
 from torch import nn

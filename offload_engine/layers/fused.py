@@ -8,10 +8,7 @@ ENABLED = True
 # Kernels left out one by one ("rms_norm", "norm_rope", "silu_and_mul", "kv_store"): what each pays.
 DISABLED: set[str] = set()
 # Built and exact, but not yet shown on the device to pay: off unless a benchmark tries them (bench_engine_step.py
-# --try-kernels). Empty now. "kv_store" (the decode step's device-tier K/V store inside the k rotation,
-# kernels/rotary.py) was here until it was measured (H100 host, 2026-11-23, results/nvidia-h100-80gb-hbm3/
-# kv_store_try.log: the step's graph 0.976-0.999x of without at batches 1-256 x contexts 512 / 2,048, never
-# slower); DISABLED turns it off.
+# --try-kernels). Empty: docs/decisions/device-kernels.md, "The K/V store inside the rotation".
 UNMEASURED: frozenset[str] = frozenset()
 TRIED: set[str] = set()
 

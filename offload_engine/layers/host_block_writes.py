@@ -1,26 +1,12 @@
 """Host-tier prefill K/V written by the device straight into the pinned host pool, a whole host block at a time.
 
-A host-tier prompt's K/V are computed on the device and belong in the host pool. They used to cross every layer
-to the pinned ring, where numba scattered them into the pool on the executor. The executor is the host lane's
-one worker, and a host step holds it from start to end. So once the ring was full (two 2k-token prompts at the
-0.6B shape), a prefill could wait for the host step in flight and then for the scatter. 15 host-tier prompts added
-1.16 s of prefill to a 9.4 s run (0.6B, 64 x (2048 + 256) at 576 blocks: 1.73 s against gpu's 0.57, ~77 ms a
-prompt against ~9). Written this way, 16 such prompts added 0.58 s (1.11 against 0.53; H100 host, 2026-11-23,
-benchmarks/results/nvidia-h100-80gb-hbm3/prefill_writes_b576_*.json). What is left is what placement's check now
-counts (LaneStats.prefill_done).
-
-Where the device can address the pinned pool (HostKVPool.device_stacked), the prefill writes the pool itself,
-as demotion does (engine/tiers/kv_demotion.py): one kernel a layer (kernels.write_host_blocks_whole) writes its tokens
-across PCIe into head-major host blocks, on the prefill-writes stream, beside the next layers. Nothing on the
-host takes part. Readers of those blocks wait for the step's event (ModelRunner._wait_direct_writes). The kernel
-replaced a layout on the device and an index_copy_ (~14 torch calls a layer): at the 0.6B shape, whose prefill is
-launch-bound, a 1,024-token host-tier prompt's step took ~14 ms longer than a device-tier one's (36 against 16 ms
-alone; H100 host, 2026-11-24, benchmarks/probe_host_prefill.py --isolated).
-
-Only blocks whose first token is in the step are written this way: the rest of such a block holds no KV yet, so
-it can be written whole, its unused rows zeroed. The tokens of a block an earlier step began (a prompt's chunk
-that starts mid-block) take the executor's path, so no KV already in the pool is overwritten.
-"""
+Where the device addresses the pinned pool (HostKVPool.device_stacked), one kernel a layer
+(kernels.write_host_blocks_whole) writes the step's tokens across PCIe into head-major host blocks, on the
+prefill-writes stream, beside the next layers. Only blocks whose first token is in the step are written so: the rest
+of such a block holds no KV yet, so it is written whole, unused rows zeroed. Tokens of a block an earlier step began
+take the executor's path, so no KV already in the pool is overwritten. Readers wait for the step's event
+(HostPoolAccesses.wait_writes, after_prefill_writes). Why: docs/decisions/host-prefill.md, "The device writes whole
+host blocks"."""
 from dataclasses import dataclass
 
 import numpy as np

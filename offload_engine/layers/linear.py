@@ -1,17 +1,11 @@
 """Linear layers: replicated, column-parallel (fused q/k/v and gate/up among them) and row-parallel.
 
-Fusing q/k/v and gate/up turns three (two) GEMMs into one; `load_weight` copies one checkpoint tensor into its
-rows of the fused weight, so the loader never needs to know the fusion.
-
-Tensor parallelism (tp = parallel_state.Partition): a column-parallel layer holds its rank's slice of the output
-features, and its output stays split (each rank goes on with its own heads or MLP channels); a row-parallel
-layer takes that split input, holds the matching slice of the input features, and sums the ranks' partial outputs
-with one all-reduce, adding the bias once, after it. A fused layer splits each of its parts per rank, so a rank
-holds its own q, k and v heads (gate and up channels) side by side. With one rank every layer is the plain one: the
-same parameters and the same single F.linear call, no collective.
-
-`load_weight(param, tensor, shard)` takes the whole checkpoint tensor, or anything with `.shape` and `.narrow`
-that reads only what is narrowed (loader.py passes a lazy safetensors slice), and copies this rank's part.
+Fusing q/k/v (gate/up) makes one GEMM of three (two). Under tensor parallelism (tp: parallel_state.Partition) a
+column-parallel layer holds its rank's slice of the output features and its output stays split; a row-parallel layer
+takes that split input and sums the ranks' partial outputs with one all-reduce, adding the bias once, after it. A
+fused layer splits each part per rank, so a rank holds its own q, k and v heads side by side. With one rank every
+layer is the plain one: the same parameters, one F.linear call. `load_weight(param, tensor, shard)` copies this
+rank's part of the whole checkpoint tensor, or of a lazy slice that reads only what is narrowed (loader.py).
 """
 import torch
 from torch import nn

@@ -1,12 +1,9 @@
 """Token sampling: greedy, temperature, top-k and top-p, in one pass over the logits (kernels/sample.py).
 
-A row at temperature t takes argmax(x / t + G), G Gumbel noise, which draws from softmax(x / t) exactly. The
-noise is counter-based: each row brings a 64-bit key, and its uniforms are Philox's stream for that key
-(layers/philox.py). A seeded request's key is made from its seed and the position its token takes, so its
-tokens do not depend on what else shares the batch, how its prompt was chunked, which lane ran it, or whether
-the step was replayed from a CUDA graph; other rows draw their keys from the lane's generator, seeded from the
-engine's `seed`. Top-k and top-p, where a row asks for them, filter the scaled logits first (a sort: the one
-path that is not a single pass).
+A row at temperature t takes argmax(x / t + G), G Gumbel noise: an exact draw from softmax(x / t). Each row brings a
+64-bit key, and its uniforms are Philox's stream for it (layers/philox.py). A seeded request's key comes from its seed
+and its token's position, so its tokens do not depend on its batch, its prompt's chunking, its lane or CUDA graphs;
+other rows' keys come from the lane's generator. Top-k and top-p filter the scaled logits first (a sort).
 """
 from dataclasses import dataclass
 

@@ -1,9 +1,7 @@
-"""The plain torch attention path: the same contract as `kernels` and `cpu_attention`, on any device.
-
-Layout is the GPU tier's token-major `[num_blocks, block_size, Hkv, D]`. It gathers each sequence's blocks
-and computes attention in float32 with explicit masks, so stale or NaN cache slots past a context never
-leak into the result. It runs the engine in CI (device="cpu") and is the reference the Triton backend is
-compared against on the GPU; it is not meant to be fast.
+"""The plain torch attention path: the kernel contract of `kernels` and `cpu_attention`, on any device, on the
+device tier's token-major `[num_blocks, block_size, Hkv, D]` layout. Float32 with explicit masks, so stale or NaN
+slots past a context never leak into the result. It runs the engine in CI (device="cpu") and is the reference the
+Triton backend is checked against; it is not meant to be fast.
 """
 import math
 

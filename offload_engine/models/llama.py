@@ -1,11 +1,7 @@
-"""The Llama decoder (Llama 2/3, and the base of Qwen2 and Qwen3).
+"""The Llama decoder (Llama 2/3, and the base of Qwen2 and Qwen3: q/k/v biases; per-head q/k RMSNorm).
 
-Qwen2 differs by always having q/k/v biases; Qwen3 by RMS-normalizing q and k per head before the rotary
-embedding. Both are subclasses that flip those switches.
-
-Under tensor parallelism (tp: this rank's Partition) each rank holds its share of the heads, the KV heads and the
-MLP channels: q/k/v and gate/up are column-parallel, o_proj and down_proj row-parallel (one all-reduce each), the
-embedding and the head vocab-parallel (layers/linear.py, layers/embedding.py). Norms and rotary are replicated.
+Under tensor parallelism (tp: this rank's Partition) q/k/v and gate/up are column-parallel, o_proj and down_proj
+row-parallel (one all-reduce each), the embedding and the head vocab-parallel; norms and rotary are replicated.
 """
 import torch
 from torch import nn
@@ -39,8 +35,8 @@ class LlamaSelfAttention(nn.Module):
 
     def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor, kv_slots: torch.Tensor | None = None):
         """hidden [T, hidden] -> q [T, Hq, D], k/v [T, Hkv, D], normalized (Qwen3) and rotated. With kv_slots (a
-        decode step's device slot mapping, layers.fused.stores_kv_ahead), k and v are also stored in the layer's
-        device pool by the rotation's kernel, and the attention layer is told not to store them again."""
+        decode step's device slot mapping: layers.fused.stores_kv_ahead) the rotation's kernel also stores k and v
+        in the layer's device pool."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -102,10 +98,9 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    # The forward pass in segments that meet only at attention: `begin`, then `between` each pair of layers,
-    # then `end`. Eagerly they simply run in turn; the decode CUDA graphs capture each segment and run
-    # attention, which may cross to the host tier, between the replays (engine/graphs/cuda_graphs.py).
-    # kv_slots: the device slot mapping where the rotation stores K/V (forward only; see project_qkv).
+    # The forward pass in segments that meet only at attention (`begin`, `between` each pair of layers, `end`):
+    # the decode CUDA graphs capture each segment and run attention, which may cross to the host tier, between the
+    # replays (engine/graphs/cuda_graphs.py). kv_slots: see project_qkv.
     def begin(self, token_ids, positions, kv_slots=None):
         return self.layers[0].pre_attention(positions, self.embed_tokens(token_ids), None, kv_slots)
 

@@ -1,26 +1,12 @@
-"""Copies KV blocks between the prefill device's mirror pool and the decode device's pool (prefill/decode
-separation: engine/disagg/prefill_lane.py runs the prompts, this module moves their KV).
+"""Copies KV blocks between the prefill device's mirror pool and the decode device's pool (prefill/decode separation).
 
-The prefill runner's device pool mirrors the decode runner's: as many blocks, of the same size, in the same layout
-([L, 2, blocks, block_size, Hkv, D], memory_profile.allocate_device_pool). One block id then names the same tokens'
-KV on both devices, and the scheduler's block tables (one BlockManager) serve both: a prompt's later chunks attend
-over its earlier ones on the prefill device, and it decodes over the same ids on the decode device. Two copies:
-
-- `send`, after every prefill-lane step: the blocks its chunks wrote go to the decode device. Per chunk, not once at
-  the prompt's end: every block the block manager registers for prefix reuse then holds its KV on the decode device
-  once the sends queued so far have landed, whichever device later reads it, and one chunk's copy crosses while the
-  next chunk computes. A chunk boundary's block crosses twice: at most one block per chunk more than the KV itself.
-- `fill`, before a prompt's first chunk: its prefix-cache hits whose KV was made on the decode device (blocks that
-  decode steps filled, or a promotion wrote) go to the mirror. Hits the prefill lane made itself need no copy:
-  `mirrored` records, per block id, the registration (hash) whose KV the mirror holds there.
-
-On CUDA a copy is a gather into a contiguous buffer on the source device, one peer copy, and a scatter on the
-destination, a group of layers at a time (GROUP_BYTES, so the buffers stay small beside the pools that fill the
-rest of both cards), on a "handoff" stream of each device: the decode device's steps never queue behind a copy.
-Ordering is by events, never by the current device: a send's scatter waits for what the decode device had queued
-when its prompt was scheduled (decode_marks: a row freed there may still be written by an async step in flight,
-a demotion may still read its old blocks), and a fill's gather for blocks a promotion may still be writing. The
-sends run in order on one stream pair, so a sequence whose final send has landed has all its earlier ones too.
+The mirror has the decode pool's blocks, block size and layout, so one block id names the same tokens' KV on both
+devices and one BlockManager serves both (docs/decisions/multi-gpu.md, "PD: a mirror pool, one block id on both
+devices"). `send`, after every prefill-lane step, takes the blocks its chunks wrote to the decode device; `fill`,
+before a prompt's first chunk, brings prefix hits whose KV the decode device made to the mirror. On CUDA a copy runs
+a group of layers at a time on a "handoff" stream of each device, so decode steps never queue behind it; ordering is
+by events, never by the current device. Sends run in order on one stream pair: a sequence whose final send has
+landed has all its earlier ones too.
 """
 import contextlib
 
@@ -56,8 +42,10 @@ class KVHandoff:
 
     def send(self, block_ids: list[int], after: list) -> "torch.cuda.Event | None":
         """Queues the copy of these mirror blocks into the decode pool, behind the lane's chunk that wrote them and
-        the decode-device work in `after`. Returns the event of their landing (CUDA; called on the lane's thread),
-        or None where the copy is done already."""
+        the decode-device work in `after` (decode_marks: a row freed there may still be written by an async step in
+        flight, a demotion may still read its old blocks). Per chunk, not per prompt: every block registered for
+        prefix reuse then holds its KV on the decode device once the sends so far have landed. Returns the event of
+        their landing (CUDA; called on the lane's thread), or None where the copy is done already."""
         with torch.inference_mode(), self._streams(self.out, self.into):
             if self.cuda:
                 self.out.wait_stream(self.compute)
@@ -74,8 +62,9 @@ class KVHandoff:
 
     def fill(self, block_ids: list[int], pool, after: list) -> None:
         """Brings prefix-cache hits (registered blocks of the decode pool, `pool` its BlockPool) to the mirror
-        where it does not hold their KV, in front of the lane's next chunk; `after` as for send. Only blocks
-        registered from a decode-device write land here, so their KV is there once `after` has run."""
+        where it does not hold their KV (`mirrored`: the registration it holds per block id), in front of the lane's
+        next chunk; `after` as for send (a promotion may still be writing them). Only blocks registered from a
+        decode-device write land here, so their KV is there once `after` has run."""
         missing = [b for b in block_ids if self.mirrored.get(b) != pool.blocks[b].hash]
         if not missing:
             return

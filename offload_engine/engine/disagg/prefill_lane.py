@@ -1,32 +1,12 @@
-"""The prefill lane: prompt chunks run on `prefill_device`, on a thread of their own, while the engine's thread goes
-on stepping both decode lanes on the decode device (prefill/decode separation, DESIGN.md "More than one GPU").
-Decode steps never wait for a prefill: a prompt's chunks, its first token and its KV's one crossing
-(engine/disagg/kv_handoff.py) all happen beside them, and the sequence joins the device lane once its KV has landed, as
-a promoted one does once its copy has.
+"""The prefill lane (prefill/decode separation, docs/design.md "More than one GPU"): prompt chunks run on
+`prefill_device`, on a thread of their own, while the engine's thread steps both decode lanes on the decode device.
 
-The lane's runner is a ModelRunner of its own on the prefill device: a second copy of the weights and a device pool
-that mirrors the decode runner's block for block (kv_handoff.py says why), without a host tier or decode graphs.
-It samples a prompt's first token with the same sampler and per-request keys (layers/sampler.py: a seeded
-request's key comes from its seed and the token's position), so greedy and seeded outputs are those of the engine
-without PD; unseeded sampled rows draw from the lane's own generator.
-
-What runs here, and when:
-- Device-tier rows that are not split. Host-tier and split rows (placement.py) prefill on the decode device as
-  without PD: their KV goes to the host pool, which only the decode runner writes (through the executor the host
-  lane holds for its steps), and they attend through the decode device's staging cache.
-- One batch at a time. While it computes nothing else is scheduled to prefill (new requests wait, as they wait
-  behind a prefill step without PD), and the engine's thread steps the decode lanes. Every row of the batch sits
-  out (in flight) until the step is back.
-- A chunk that leaves more of its prompt is taken in as soon as its step is back, so the next chunk can be
-  scheduled while this one's KV crosses. A prompt's final chunk (the one after which it decodes: its last, or
-  the last but the newest token, Sequence.in_prefill) is taken in (its first token recorded, its sequence free
-  to decode, finish or be preempted) only once its KV has landed: the decode device reads it next, and no block
-  it holds is handed out again while a copy into it may still run. The next batch does not wait for that.
-- Rows here are never demoted, promoted or preempted: the scheduler leaves rows in prefill or in flight alone.
-  Rows elsewhere are, freely: a block they free is handed to a prompt here only with the decode device's work
-  queued so far ahead of the copy into it (KVHandoff.decode_marks). Nor does taking a lane step in read the
-  device lane's step in flight (async scheduling), as a prefill on the decode device does: none of its rows are
-  in that step, and none of that step's rows are touched.
+Its runner is a ModelRunner of its own: a copy of the weights, a pool mirroring the decode runner's (kv_handoff.py),
+eager, device tier only, sampling with the same per-request keys (greedy and seeded outputs are those without PD).
+It runs one batch at a time of device-tier rows that are not split. Its rows sit out (in flight) until their step
+is back and are never demoted, promoted or preempted meanwhile. A non-final chunk is taken in as soon as its step
+is back; a final one (Sequence.in_prefill) only once its KV has landed on the decode device, which reads it next
+and may hand out none of its blocks while a copy into them runs.
 """
 import contextlib
 import dataclasses
@@ -98,6 +78,8 @@ class PrefillLane:
 
     @staticmethod
     def runs(seq: Sequence) -> bool:
+        """Device-tier rows that are not split. The others prefill on the decode device, as without PD: their KV goes
+        to the host pool, which only the decode runner writes, and they attend through its staging cache."""
         return seq.location == BlockLocation.GPU and not seq.is_split
 
     def submit(self, batch: list[Sequence]) -> list[Sequence]:
@@ -133,8 +115,9 @@ class PrefillLane:
 
     def take(self, scheduler) -> tuple[list[Sequence], int, float]:
         """Takes in what the lane has back: the step's non-final chunks once it is, its final ones once their KV
-        has landed (module docstring). Returns the sequences that finished, and the prompt tokens and seconds of
-        the step taken in (0 if none)."""
+        has landed (module docstring). Unlike a prefill on the decode device it never reads the device lane's step
+        in flight: none of its rows are in that step. Returns the sequences that finished, and the prompt tokens and
+        seconds of the step taken in (0 if none)."""
         finished, num_tokens, seconds = [], 0, 0.0
         if self.step is not None and self.step[1].done():
             (chunks, result), self.step = self.step, None

@@ -1,28 +1,12 @@
-"""Piecewise CUDA graphs for decode steps.
+"""CUDA graphs for decode steps, one per batch-size bucket (why: docs/decisions/device-lane.md).
 
-A decode step of a small model is bound by kernel launches, not by the GPU: eagerly, Qwen3-0.6B at batch 64
-launches ~1,600 kernels a step and the host takes ~40 ms to issue them while the GPU needs a few. Each
-segment of the model between two attention calls (engine-side: `begin`, `between`, `end` in models/llama.py)
-is captured once per batch-size bucket; a step replays the segments and runs attention eagerly between them.
-Attention stays outside the graphs because its host-tier half runs numba on a host thread and its shape
-(context lengths, which tier each row is on) changes every step; everything else is the same kernels with
-the same shapes, replayed for a few microseconds each.
-
-When no row of the step is on the host tier, attention needs no host work, so an instance made with `inputs`
-(the persistent input batch, engine/runner/input_batch.py) captures whole steps: the token gather, the model with its
-attention, and sampling, into the batch's `sampled`. It reads its token ids, positions, maps and sampling settings
-from the batch's device tensors, which the step's inputs are copied into, sized for max_num_seqs rows of
-max_model_len. The engine keeps one instance for the device lane (whole steps where the attention backend
-allows, piecewise for the torch backend); the host lane has whole-step graphs of its own whose attention
-the host kernel does between gates (engine/graphs/host_step_graphs.py). Each lane's graphs have their own static
-inputs and memory pool, so the two lanes can be in flight at once, and each captures on a CUDA stream of
-its own: cuBLAS workspaces are keyed by the stream a matmul ran on, and torch captures every graph on one
-shared stream by default, so both lanes' graphs would have baked in the same workspace and, replayed at once
-on the two lanes' streams, written over each other's partial products (seen on the H100: wrong host-lane
-tokens).
-Padding rows
-(a batch of 37 runs in the 48 bucket) compute on stale inputs and are never read: every op outside attention
-is row-wise in decode, and padded rows get slot -1 and context 0, so they write and read no KV.
+Made with `inputs` (the persistent input batch), DecodeGraphs captures whole steps, token gather and sampling
+included, reading the batch's static tensors. Without (the torch backend) it captures the segments between attention
+calls (models/llama.py's `begin`, `between`, `end`) and runs attention eagerly. Each lane's graphs have their own
+static inputs and memory pool, so both lanes can be in flight at once, and capture on a stream of their own: cuBLAS
+keys its workspace by stream, and two lanes' graphs sharing one overwrite each other's partial products. Padding
+rows (37 rows run in the 48 bucket) get slot -1 and context 0, and every other op is row-wise: they touch no KV and
+their outputs are never read.
 """
 import torch
 

@@ -1,19 +1,12 @@
-"""Which CUDA graph a decode step replays, chosen in one place for both lanes from a frozen description of the
-step's batch (the dispatcher of vLLM v1's runner).
+"""Which CUDA graph a decode or prefill step replays, chosen in one place from a frozen description of its batch.
 
-    FULL       the whole step in one graph: the token gather, the model with its attention, and sampling
-               (cuda_graphs.DecodeGraphs over the persistent input batch). The device lane's steps.
-    PIECEWISE  graphs around attention that the GPU does not do alone: the host lane's steps, whose host kernel
-               runs between stream gates inside the step's graph, split rows' device parts included where they
-               were captured (host_step_graphs.py); and device-lane steps where the attention backend cannot be
-               captured (the torch backend: graphs between attention calls, DecodeGraphs.run).
+    FULL       the whole step in one graph: device-lane decode (cuda_graphs.DecodeGraphs over the persistent input
+               batch), and prefill with every row on the device tier in a bucket that pays (prefill_graphs.py).
+    PIECEWISE  graphs around attention the GPU does not do alone: the host lane's gated steps (host_step_graphs.py),
+               and device-lane steps on the torch backend (DecodeGraphs.run).
     NONE       eager: CPU devices, enforce_eager, batches past the largest bucket, split rows wider than the
-               captured device tables.
-
-Prefill steps are dispatched too, as lane "prefill" with `rows` the token bucket: FULL where every row is on the
-device tier and a bucket's graph pays (prefill_graphs.py), NONE otherwise.
-
-Descriptors are frozen and hashable: `counts` keeps how many steps ran under each (tests and benchmarks read it).
+               captured device tables, prefill steps no graph fits.
+Descriptors are hashable: `counts` keeps how many steps ran under each (tests and benchmarks read it).
 """
 import enum
 from collections import Counter

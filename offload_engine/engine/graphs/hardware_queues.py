@@ -1,12 +1,8 @@
 """How many hardware work queues CUDA spreads the process's streams over, and why the engine asks for 32.
 
-CUDA maps every stream onto one of CUDA_DEVICE_MAX_CONNECTIONS hardware queues (8 unless set), read once,
-when the process creates its CUDA context. Work in one queue runs in order, whichever stream it came from. The
-host lane's whole-step graphs hold their stream at a gate while the host kernel runs each layer
-(engine/graphs/host_step_graphs.py), so a device-lane stream that shares that queue holds too. With 8 queues the device
-lane's prefills did: on the H100 host (2026-11-22, one call, decode-heavy 0.6B at 1/4 of its KV) device-tier
-prefill steps took 212 ms each against 54 under "gpu", and "auto" made 0.96x "gpu"; with 32 queues, 81 ms and
-1.02x. 32 is the most CUDA allows.
+CUDA reads CUDA_DEVICE_MAX_CONNECTIONS (8 unless set) once, when the process makes its context. Work in one queue
+runs in order, so a device-lane stream sharing a queue with a host-lane graph held at a gate (host_step_graphs.py)
+waits too. 32 is the most CUDA allows (docs/decisions/lane-interference.md, "Hardware queues").
 """
 import os
 import sys

@@ -1,29 +1,12 @@
-"""Whole-step CUDA graphs for the host lane: the device and the host kernel hand layers to each other by gates.
+"""Whole-step CUDA graphs for the host lane: the device and the host kernel hand each layer over through gates.
 
-The piecewise graphs (cuda_graphs.py) left attention to Python between the segments: per layer the host-lane
-thread copied q/k/v, queued a job, waited for it and copied the result back, and the executor thread woke,
-waited and ran two kernels. Each of those steps took the GIL again, and with the device lane running Python on
-the engine's thread every one of them queued behind it: 200 ms a step of 32 rows x 1k tokens, of which the
-kernels took 90 (H100 host, 2026-11-22). Here one graph per batch size holds the whole step. Per layer it copies
-q and the new K/V into pinned buffers, opens the layer's gate 0 and waits on its gate 1 (stream_gates.py),
-then brings the output back; `decode_layers` on the executor waits on gate 0, stores and attends, writes the
-output and opens gate 1 (cpu_attention/layer_loop.py, which also says why the graph is launched only once
-the loop runs). A step takes the GIL twice: to replay and to collect.
-
-Split rows (DESIGN.md, "Sequences across both tiers") also attend over their device part. Where the engine can
-have them (`device_blocks_per_seq`), a second graph per batch size runs the device kernel over it between a
-layer's gate 0 and its gate 1, beside the host kernel, and merges the two partials by LSE once the host's are
-back; rows that are not split have device context 0 there, and the merge passes their host partial through.
-Steps without split rows replay the graph without that work.
-
-Rows beyond the batch (a batch of 37 runs in the 48 graph) compute on stale inputs: the kernel reads only the
-batch's rows and their outputs are never read, as in the piecewise graphs.
-
-The graphs' matrix products are captured on a few SMs (`few_sms`). Alone, a host step's device work for 8B takes
-12.3-13.0 ms on all 132 SMs of an H100 and 15.3 ms on 16: it is a chain of small launches, not bandwidth. Beside
-the device lane, all-SM products took SMs from its steps: 24 device rows stepped 6.0-6.3% slower while a host step
-was in flight, 3.3% with the host lane's products on 16 SMs, and the host step took no longer (H100 host,
-2026-11-22, benchmarks/results/nvidia-h100-80gb-hbm3/host_lane_sms_8b_*.json).
+One graph per batch size holds the step, so it takes the GIL twice, not several times a layer. Per layer it copies
+q and the new K/V to pinned buffers, opens gate 0 and waits on gate 1 (stream_gates.py); `decode_layers` on the
+executor waits on gate 0, stores, attends, writes the output and opens gate 1 (cpu_attention/layer_loop.py says why
+the graph launches only once the loop runs). Where rows can be split (docs/design.md, "Sequences across both
+tiers"), a second graph per size attends over their device part between the gates and merges by LSE. Padding rows
+compute on stale inputs that nothing reads. Products run on few SMs (`few_sms`).
+Why: docs/decisions/lane-interference.md.
 """
 import contextlib
 
@@ -34,7 +17,7 @@ from offload_engine.engine.graphs.cuda_graphs import batch_buckets
 from offload_engine.engine.graphs.stream_gates import open_gate, wait_gate
 
 STEP_TIMEOUT_S = 600.0  # a step that long has lost its device: give up on it rather than hang
-SM_SHARE = 8  # the host lane's matrix products target 1/SM_SHARE of the device's SMs (16 of an H100's 132)
+SM_SHARE = 8  # products on 1/SM_SHARE of the SMs, 16 of an H100's 132 (why 8: docs/decisions/lane-interference.md)
 
 
 @contextlib.contextmanager

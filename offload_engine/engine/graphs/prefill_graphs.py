@@ -1,26 +1,10 @@
-"""Whole CUDA graphs for prefill steps whose rows are all on the device tier, one graph per bucket of tokens.
+"""Whole CUDA graphs for prefill steps whose rows are all on the device tier, one per bucket of tokens.
 
-Eagerly, a prefill step of a small model is bound by its launches, not by the GPU: Qwen3-0.6B takes ~30 ms to issue
-a step's ~430 kernels whatever its size up to ~8k tokens, while the GPU needs 6 ms for one prompt of 2,048 tokens
-and 22 ms for four. So a wave of prompts that starts in two steps instead of one costs a whole step more, and
-under `auto` waves split that way (issue 10, prompt-heavy 0.6B at 1/16 of its KV: 35 prefill steps against `gpu`'s
-19). With these graphs a step of 1 / 2 / 3 / 4 such prompts took 9.5 / 15.3 / 21.3 / 26.8 ms, against 33.0 / 31.3 /
-42.2 / 31.4 eagerly (H100 host, 2026-11-25, results/nvidia-h100-80gb-hbm3/prefill_graphs_2026-11-25/).
-
-A graph per bucket holds the whole forward, attention included: the attention kernel's grid is a tile map sized
-for the bucket (kernels.paged_prefill.prefill_tiles), not the step's rows. A step's tokens, positions, slots,
-context lengths, tables and tiles are copied into the static tensors the graphs read. Tokens past the step's own
-(its padding up to the bucket) get slot -1 and no tile: they write no KV and no query of theirs is attended;
-every other op is row-wise, so their rows are never read. Logits are computed eagerly, for the sampled rows only.
-
-Which buckets pay is measured before any graph is captured, and before the KV pool is sized (memory_profile.py):
-a bucket's forward, its launches queued behind a spin kernel so the GPU runs them back to back as a replay would,
-against an eager forward's launch time, which no eager step goes below. Buckets whose GPU time is past that (a
-large model, whose prefill the GPU and not the launches bounds: Qwen3-8B's past ~1.5k tokens) are left to eager
-steps, which carry no padding, and take no memory: the graphs' pool, which the KV pool gives up for good, is a
-prefill at the largest bucket that pays, not at `prefill_graph_tokens`.
-
-Steps with host-tier rows run eagerly: their attention stages host KV through the executor between layers.
+Eager prefill of a small model is bound by its launches (docs/decisions/prefill-graphs.md). A bucket's graph holds
+the whole forward: the attention kernel's grid is a tile map sized for the bucket (kernels.paged_prefill), not the
+step's rows. Padding tokens get slot -1 and no tile, so they write no KV and are never attended; every other op is
+row-wise. Logits are computed eagerly, for the sampled rows. Only buckets that pay are captured, measured before the
+KV pool is sized (largest_paying_bucket). Steps with host-tier rows run eagerly: they stage host KV between layers.
 """
 import time
 
@@ -112,8 +96,7 @@ class PrefillGraphs:
     @torch.inference_mode()
     def largest_paying_bucket(self) -> int:
         """The largest bucket whose forward keeps the GPU busy for less time than an eager forward at the smallest
-        bucket takes to launch, 0 where none does. A step is padded up to its bucket, so a bucket past that replays
-        no faster than the eager step it would replace, and larger ones take longer still."""
+        bucket takes to launch (0: none): past that, a step padded to its bucket replays no faster than eagerly."""
         self.launch_seconds = min(self._launch_seconds() for _ in range(2))  # the first may still fill caches
         largest = 0
         for size in self.buckets:
@@ -131,9 +114,8 @@ class PrefillGraphs:
         return time.perf_counter() - began
 
     def _gpu_seconds(self, size: int) -> float:
-        """The GPU time of bucket `size`'s forward (everything but attention: the static inputs hold no tile), with
-        its launches queued behind a spin kernel, so the GPU runs them back to back as a graph's replay would.
-        The spin is lengthened until it outlasts the launches."""
+        """The GPU time of bucket `size`'s forward without attention (no tile), its launches queued behind a spin
+        kernel, lengthened until it outlasts them, so the GPU runs them back to back as a replay would."""
         if self._spin_cycles is None:  # calibrated once, for twice the launches' time
             self._spin_cycles = max(1, int(2 * self.launch_seconds * _spin_cycles_per_second(self.device)))
         cycles = self._spin_cycles
@@ -192,9 +174,8 @@ class PrefillGraphs:
 
 
 def prefill_graph_tokens(runner) -> int:
-    """The largest prefill step that replays a graph on this runner, 0 where none is captured: off CUDA, eager,
-    tensor-parallel (as decode), and on backends other than our Triton kernels, whose prefill attention takes its
-    grid from the step (flash-attn, torch)."""
+    """The largest prefill step that may replay a graph on this runner; 0 off CUDA, eager, tensor-parallel, and on
+    backends other than Triton (flash-attn's and torch's prefill attention take their grid from the step)."""
     cfg = runner.cfg
     if runner.device.type != "cuda" or cfg.enforce_eager or runner.tp.size > 1 or runner.backend.name != "triton":
         return 0

@@ -1,16 +1,9 @@
 """Named pinned host tensors and their device twins, packed so that one non-blocking copy moves them all.
 
-A step's inputs are made on the host. Fresh `pin_memory()` tensors per step cost an allocation each (and a
-cudaHostAlloc whenever torch's pinned cache has no block of that size), and each tensor copied on its own costs a
-copy launch and its latency: at batch 1 the device lane's ten small copies were ~0.1 ms of a 1.5 ms step (H100
-host, 2026-11-23). Here every field is a slice of one pinned byte buffer, written through a numpy view, and a step
-copies the byte range its fields use into one device byte buffer, whose typed views never move (the device lane's
-CUDA graphs read them as static inputs).
-
-The host side is double-buffered: with async scheduling the next step's inputs are written while the copy of this
-step's may not have run yet (it sits in the stream behind the step before), so consecutive steps alternate between
-the two host halves. The device side is single: copies into it are ordered on the stream after the step that last
-read it.
+Every field is a slice of one pinned byte buffer, written through a numpy view, and lands in a device byte buffer
+whose typed views never move (the device lane's graphs read them as static inputs). The host side is
+double-buffered: the next step's inputs are written while this step's copy may still be queued. The device side is
+single: a copy into it is ordered after the step that last read it. Why: docs/decisions/device-lane.md.
 """
 import numpy as np
 import torch

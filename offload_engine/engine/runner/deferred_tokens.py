@@ -1,9 +1,7 @@
 """A device-lane decode step's sampled ids: on the device at once, on the host once their copy lands.
 
-With async scheduling the engine queues the next step before it reads this one's tokens: that step takes them on
-the device (input_batch.py), and the host gets them one step late, from a pinned buffer the ids were copied into
-without a sync. The pinned buffers alternate, like the inputs' (cpu_gpu_buffer.py): one step's ids may still be
-unread when the next step's are copied.
+With async scheduling the next step takes them on the device (input_batch.py) and the engine reads them a step
+late, from pinned buffers that alternate (HOST_COPIES): one step's ids may be unread when the next step's land.
 """
 import time
 

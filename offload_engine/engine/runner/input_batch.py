@@ -1,17 +1,10 @@
 """The device lane's decode rows, kept in place across steps (the persistent input batch of vLLM v1's runner).
 
-A row keeps its index while its sequence goes on decoding in the device lane: its block-table row on the host is
-written once, and after that only the blocks it gains are appended. A sequence that leaves the lane (finished,
-preempted, demoted, promoted away) frees its row, and the last row moves into the hole so the rows stay dense;
-new sequences take rows at the end. A step writes its inputs (tokens, positions, slots, context lengths, sampling
-settings, the block-table window) into one pinned buffer and sends them with one non-blocking copy
-(cpu_gpu_buffer.py) into device tensors that never move, which the device lane's whole-step CUDA graphs read as
-their static inputs: nothing is allocated and nothing is copied twice.
-
-Token ids: a row whose newest token was sampled by the step still in flight (async scheduling: the host does not
-know it yet, its place holds PENDING_TOKEN) reads it on the device from `sampled`, where every step of the lane
-leaves its ids; `gather_tokens` does that inside the step (and its graph). `sampled` holds one step's ids at a
-time: the step's DeferredTokens copies them to the host as soon as it is queued.
+A row keeps its index while its sequence decodes in the device lane, and its host block-table row only gains new
+blocks; a leaving row's hole takes the last row, so rows stay dense. A step's inputs cross in one copy
+(cpu_gpu_buffer.py) into the whole-step graphs' static inputs. A row whose newest token the in-flight step sampled
+(PENDING_TOKEN on the host) reads it on the device from `sampled` (`gather_tokens`), which holds one step's ids
+until its DeferredTokens copies them to the host. Why: docs/decisions/device-lane.md.
 """
 import numpy as np
 import torch

@@ -1,10 +1,8 @@
 """The device KV pool: how many blocks (`size_device_pool`), and its layout (`allocate_device_pool`).
 
-On CUDA the pool is sized from the memory left after the model's own peak. A warmup prefill of the largest batch
-the scheduler can form runs through a temporary pool; what the model, its activations, the prefill graphs' pool
-(a prefill at their largest bucket that pays) and the sampler (a full batch, once per lane) take at their peak, plus
-everything else already on the card (the cuBLAS workspaces of the engine's streams included), is subtracted from
-total memory x gpu_memory_utilization. The rest is the KV pool.
+On CUDA the pool gets total memory x gpu_memory_utilization, less what is already on the card (the streams' cuBLAS
+workspaces included) and the measured peaks of the largest prefill, the prefill graphs' pool and a full-batch
+sample per lane (docs/decisions/memory.md, "Sizing the device pool: the memory profile").
 """
 import contextlib
 
@@ -37,7 +35,7 @@ def size_device_pool(runner) -> int:
 def allocate_device_pool(model_cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
                          device: torch.device) -> torch.Tensor:
     """Every layer's K and V in one tensor, [L, 2, blocks, block_size, Hkv, D] (layer_views gives them one by
-    one): moves between the tiers take a batch of layers per kernel (kv_demotion.py, kv_promotion.py)."""
+    one): moves between the tiers take a batch of layers per kernel (tiers/kv_demotion.py, tiers/kv_promotion.py)."""
     shape = (model_cfg.num_layers, 2, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
     return torch.empty(shape, dtype=dtype, device=device)
 
@@ -57,14 +55,12 @@ def profile_free_kv_bytes(runner) -> int:
     torch.cuda.empty_cache()
     free, total = torch.cuda.mem_get_info(device)
     peak = prefill_peak_bytes(runner, cfg.max_num_batched_tokens)
-    # The prefill graphs' pool (prefill_graphs.py) keeps a prefill's activations at their largest bucket that pays
-    # for good, beside what eager prefills take.
+    # The prefill graphs' pool keeps a prefill at their largest paying bucket for good, beside eager prefills' peak.
     with temporary_device_pool(runner, 1):
         graph_tokens = paying_prefill_tokens(runner)
     graphs = prefill_peak_bytes(runner, graph_tokens) if graph_tokens else 0
 
-    # The sampler's peak for a full batch, once per decode lane: each lane samples on its own stream, and the
-    # caching allocator keeps each stream's blocks apart (reserve_step_memory).
+    # The sampler's peak, once per decode lane: each samples on its own stream, whose blocks the allocator keeps apart.
     torch.cuda.reset_peak_memory_stats(device)
     base = torch.cuda.memory_allocated(device)
     sample(*largest_sampling_step(cfg.max_num_seqs, runner.model_cfg.vocab_size, device))
@@ -76,10 +72,9 @@ def profile_free_kv_bytes(runner) -> int:
 
 
 def claim_blas_workspaces(runner) -> None:
-    """cuBLAS makes a workspace for each stream on the stream's first product, and torch keeps it for the process
-    (cuda_streams.py). The lanes' streams would make theirs once the engine runs, after the pool is sized, and the
-    first engine of a process would overrun gpu_memory_utilization by them (0.2-0.5 GiB on the H100 host,
-    2026-11-25): made here, they count among what is already on the card."""
+    """Runs one small product on each stream the lanes use, so that cuBLAS makes the stream's workspace (which torch
+    keeps for the process: cuda_streams.py) now and the profile counts it as used, not after the pool is sized
+    (docs/decisions/memory.md, "cuBLAS workspaces claimed before free memory is read")."""
     from offload_engine.engine.runner.cuda_streams import engine_stream
     from offload_engine.engine.graphs.host_step_graphs import few_sms
 
@@ -95,8 +90,7 @@ def claim_blas_workspaces(runner) -> None:
 
 
 def prefill_peak_bytes(runner, tokens: int) -> int:
-    """Device memory a prefill of `tokens` takes at its peak besides the weights and its KV (run through a
-    temporary pool)."""
+    """Device memory a prefill of `tokens` takes at its peak, besides the weights and its KV."""
     cfg, device = runner.cfg, runner.device
     torch.cuda.reset_peak_memory_stats(device)
     allocated_before = torch.cuda.memory_allocated(device)
@@ -124,9 +118,8 @@ def temporary_device_pool(runner, num_blocks: int):
 
 @torch.inference_mode()
 def run_dummy_prefill(runner, num_seqs: int, seq_len: int) -> None:
-    """One prefill of num_seqs sequences of seq_len tokens through the model, their KV written into the first
-    blocks of the bound device pool, and their logits computed (nothing sampled). For sizing and reserving
-    memory before any request exists: whatever those blocks held is overwritten."""
+    """A prefill of num_seqs sequences of seq_len tokens, their KV written into the first blocks of the bound device
+    pool (whatever those held is overwritten) and their logits computed, nothing sampled; before any request."""
     block_size = runner.cfg.block_size
     blocks_per_seq = -(-seq_len // block_size)
     seqs = []
@@ -141,12 +134,10 @@ def run_dummy_prefill(runner, num_seqs: int, seq_len: int) -> None:
 
 
 def reserve_step_memory(runner) -> None:
-    """Runs the largest prefill the scheduler can form, and samples one full batch through top-k and top-p
-    on each lane's stream, so that the caching allocator holds the steps' largest blocks from the start.
-    Otherwise each new largest step of a run reserves more device memory mid-run, on its lane's stream,
-    whose cached blocks the other stream cannot reuse (0.5 GiB over 10,000 requests, H100, 2026-11-22).
-    The pool was sized for this (profile_free_kv_bytes). Before any request: the prefill's KV lands in
-    blocks nobody holds yet."""
+    """Runs the largest prefill the scheduler can form and a full-batch top-k / top-p sample on each lane's stream,
+    so that the allocator holds the steps' largest blocks from the start rather than reserving more mid-run
+    (docs/decisions/memory.md, "Step memory reserved at start-up"). The pool was sized for this. Before any
+    request: the prefill's KV lands in blocks nobody holds yet."""
     tokens = min(runner.cfg.max_num_batched_tokens, runner.num_gpu_blocks * runner.cfg.block_size)
     seq_len = min(runner.max_model_len, tokens)
     with torch.cuda.stream(runner.streams["device"]):

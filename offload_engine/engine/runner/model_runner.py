@@ -1,9 +1,8 @@
 """Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens.
 
-Under tensor parallelism every rank has a ModelRunner of its own for its slice of the model (tp), and rank 0's
-engine drives them all, call for call (offload_engine/distributed/). A rank's pools and host executor hold its
-share of the KV heads and of the host's cores; the pool sizes each rank measures are agreed (the smallest wins),
-so a block id means the same on every rank.
+Under tensor parallelism each rank has a ModelRunner for its slice of the model (tp), and rank 0's engine drives
+them all (offload_engine/distributed/). A rank's pools and executor hold its share of the KV heads and host cores;
+pool sizes are agreed across ranks (the smallest wins), so a block id means the same on every rank.
 """
 import contextlib
 import time
@@ -50,24 +49,23 @@ class ModelRunner:
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.segment_tokens = 0
         self.decode_graphs: dict = {}
-        self.prefill_graphs = None  # engine/graphs/prefill_graphs.py
+        self.prefill_graphs = None
         self.paying_prefill_tokens = None  # their largest bucket, measured once (prefill_graphs.paying_prefill_tokens)
-        self.dispatcher = GraphDispatcher(self.decode_graphs)  # which graph a step replays
+        self.dispatcher = GraphDispatcher(self.decode_graphs)
         self.inputs = self.host_inputs = None
         self.streams: dict[str, torch.cuda.Stream] = {}
         self.executor_writes = ExecutorWrites()  # host-pool writes still running on the executor
         self.accesses = HostPoolAccesses()  # the device's direct reads and writes of the pinned host pool
         self.moves_stream = None  # CUDA: where promotions' direct reads run, beside the device lane's steps
         self.prefill_writes_stream = None  # where host-tier prefill's writes run, beside its layers
-        self.move_staging = MoveStaging(self.device)  # reused by every promotion and demotion
+        self.move_staging = MoveStaging(self.device)
         self.link_seconds_per_byte = None  # CUDA with a host tier: the pinned copy's, for LaneStats' move cost
         self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
         self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
         self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
         try:
-            # Start-up made on this runner's GPU whatever device the caller's thread has current: what it does not
-            # name a device for (graph capture's syncs, the allocator's cache) follows the current one. Steps need no
-            # such scope: each runs under its lane's stream, which makes the stream's device current.
+            # Start-up on this runner's GPU whatever the caller's current device: graph capture's syncs and the
+            # allocator's cache follow the current one. Steps run under their lane's stream, which sets it.
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 self._start(model_dir)
         except BaseException:
@@ -77,15 +75,13 @@ class ModelRunner:
     def _start(self, model_dir: str) -> None:
         began = time.perf_counter()
         # The host tier first: its numba compile and its page-locking run on threads of their own while the
-        # weights load and the device pool is profiled (DESIGN.md, "Resources and their lifecycle").
+        # weights load and the device pool is profiled (docs/design.md, "Resources and their lifecycle").
         self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
         if self.host_pool is not None and self.device.type == "cuda":
             self.ring = PinnedRing()
         self.model = build_model(self.whole_model_cfg, model_dir, self.dtype, self.device,
                                  max_position=self.max_model_len, tp=self.tp)
         self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size)
-        # Each lane builds its own steps' inputs, from pinned memory of its own (step_inputs.py); the device
-        # lane's decode rows stay in place across steps (input_batch.py).
         self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size, self.cfg.seed)
         self.host_inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size,
                                             self.cfg.seed + 1)
@@ -179,8 +175,7 @@ class ModelRunner:
     def _capture_decode_graphs(self) -> dict:
         """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (whole steps whose
         attention the host kernel does between gates: host_step_graphs.py)."""
-        # Tensor parallelism runs eagerly for now: its collectives inside captured graphs (two lanes, two NCCL
-        # communicators) are not verified on a GPU yet (distributed/tp_runner.py).
+        # Tensor parallelism runs eagerly: docs/decisions/device-lane.md, "Tensor parallelism runs eagerly".
         if self.device.type != "cuda" or self.cfg.enforce_eager or self.tp.size > 1:
             return {}
         from offload_engine.engine.graphs.cuda_graphs import DecodeGraphs
@@ -198,9 +193,8 @@ class ModelRunner:
             from offload_engine.engine.graphs.host_step_graphs import HostStepGraphs
 
             warn_if_narrow()
-            # Whole host steps, the host kernel gated in (host_step_graphs.py). Capture runs no host kernel. Where a
-            # sequence can be too long for the device pool, it can be split (placement.split_device_tokens), and the
-            # graphs attend over device parts too; split rows are rare, so other engines' graphs leave that out.
+            # Capture runs no host kernel. A sequence is split (sched/placement.split_device_tokens) only where it can
+            # outgrow the device pool; only such engines capture the graphs that attend over device parts too.
             splits = (self.cfg.kv_placement == "auto" and whole
                       and -(-self.max_model_len // self.cfg.block_size) > self.num_gpu_blocks)
             graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
@@ -256,8 +250,7 @@ class ModelRunner:
 
     def _release_graphs(self) -> None:
         """Every lane's graphs and the prefill graphs, with their pools and static tensors. A method of its own so
-        that no local of close() holds them when it empties the allocator's cache (a loop variable there kept the
-        prefill graphs' static tensors, one 2 MiB segment, reserved past close: tests/test_lifecycle.py)."""
+        that no local of close() holds them when it empties the allocator's cache (docs/decisions/memory.md)."""
         for graphs in [*self.decode_graphs.values(), self.prefill_graphs]:
             if graphs is not None:
                 graphs.release()
@@ -319,9 +312,8 @@ class ModelRunner:
         return self._step(seqs, is_prefill=False, lane="host")
 
     def launch_device_decode(self, seqs: list[Sequence]) -> DeferredTokens:
-        """One device-lane decode step, returned as soon as it is queued: its rows in the order it ran them, its
-        ids on the device (the next device step reads them there) and, once their copy lands, on the host (the
-        engine reads them a step later)."""
+        """One device-lane decode step, returned as soon as it is queued: its rows in row order, and its ids, on the
+        device for the next step and on the host once their copy lands (the engine reads them a step later)."""
         return self._step(seqs, is_prefill=False, lane="device")
 
     def forget_device_step(self) -> None:
@@ -384,8 +376,7 @@ class ModelRunner:
         return logits
 
     def _prefill_segment(self, seq: Sequence) -> torch.Tensor:
-        """A staged sequence's long prefill, layer by layer in chunks of max_num_batched_tokens
-        (engine/runner/prefill_segment.py) -> the logits of its last token."""
+        """A staged sequence's long prefill, layer-major in chunks of max_num_batched_tokens -> its last logits."""
         segment = segment_inputs(self.inputs, seq, self.cfg.max_num_batched_tokens)
         writes = []
         hidden = run_segment(self.model, segment, writes)

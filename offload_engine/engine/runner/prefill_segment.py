@@ -1,19 +1,10 @@
 """Layer-major prefill of a long prompt that attends through the staging cache (host-tier and split sequences).
 
-Chunked prefill runs each chunk through every layer, so each chunk of a host-tier prompt stages the whole prefix
-before it, for every layer, from the host pool (and a split sequence's device part from the device pool): over a
-prompt of n chunks, about n / 2 times its own KV. A segment is many chunks of one sequence run in one step, layer
-by layer instead: each layer's staging cache receives the segment's prefix once (Attention.stage_segment), every
-chunk writes its K/V there as well as into its own tier, and attends there; between layers the chunks'
-attention outputs and residuals wait on the device. So the prefix crosses once per segment, not once per chunk,
-and a prompt that fits one segment is never staged back at all.
-
-What a segment holds on the device besides one chunk's activations: per token, its attention output and
-residual (2 x (Hq * D + hidden) bytes in 16-bit) for the whole segment, and one layer's staging cache at a time,
-as large as the last chunk of chunked prefill would have staged. `segment_capacity` sizes segments from the
-memory free after start-up. The scheduler hands a staged sequence a segment when its next chunk would leave
-more of its prompt for later (Scheduler._take_chunk); prefill steps already run alone, before decode steps, so
-a longer step takes no turn from the device lane that chunked prefill would have given it.
+Chunked prefill stages a host-tier prompt's whole prefix again for every chunk. A segment runs many chunks of one
+sequence in one step, layer by layer: each layer's staging cache receives the prefix once (Attention.stage_segment),
+and every chunk writes its K/V there and into its own tier, and attends there. Between layers each token's attention
+output and residual wait on the device (docs/decisions/memory.md, "Prefill segments' memory share"). The scheduler
+hands a staged sequence a segment when one chunk would leave more of its prompt for later (Scheduler._take_chunk).
 """
 from dataclasses import dataclass
 

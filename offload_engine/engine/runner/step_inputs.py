@@ -1,10 +1,8 @@
 """Turns a scheduled batch into the step's tensors: token ids, positions and the dual-map AttentionMetadata.
 
-One pass over the sequences fills plain Python lists and numpy arrays; each device tensor then makes one
-non-blocking copy from pinned memory: a region of the builder's own pinned ring (pinned_ring.py), reused once the
-copy that read it has run, so no step allocates pinned memory. Each lane has its own builder. Host-tier fields
-are built on the host and stay there. The device lane's decode steps use the persistent input batch instead
-(input_batch.py).
+One pass fills Python lists and numpy arrays; each device tensor then crosses in one non-blocking copy from the
+builder's own pinned ring (tiers/pinned_ring.py), so no step allocates pinned memory. Each lane has its own
+builder; host-tier fields stay on the host. Device-lane decode uses the persistent input batch (input_batch.py).
 """
 from dataclasses import dataclass
 
@@ -97,9 +95,8 @@ class StepInputBuilder:
     def prefill_row(self, seq: Sequence, start: int, end: int) -> _RowMaps:
         """The maps of a prefill chunk, tokens [start, end) of seq. A whole row's tokens and context are on its
         tier. A split row writes tokens before num_device_tokens into its device blocks and the rest into its host
-        blocks, and is one more row of the host tier (its device part staged with its host prefix), unless the
-        chunk lies wholly in its device part, where it is a device row. (In decode a split row attends over both
-        parts, one kernel each, merged by LSE: see decode.)"""
+        blocks, and is a host-tier row (its device part staged with its host prefix) unless the chunk lies wholly
+        in its device part."""
         gpu, cpu = BlockLocation.GPU, BlockLocation.CPU
         none = np.full(end - start, -1, dtype=np.int64)
         if not seq.is_split:
@@ -135,8 +132,8 @@ class StepInputBuilder:
                           self.to_device(cu_seqlens[1:], torch.int64) - 1, meta)
 
     def decode(self, seqs: list[Sequence]) -> StepInputs:
-        """The decode step's maps, in one pass without per-row arrays: this runs on the device lane's thread
-        before every step (48 rows: 500 -> 210 us on the dev box, against per-row numpy slots before)."""
+        """The decode step's maps (the host lane's steps), in one pass without per-row arrays: it runs before every
+        step (docs/decisions/device-lane.md, "Decode maps in one pass")."""
         gpu = BlockLocation.GPU
         num_rows = len(seqs)
         slots = {t: np.full(num_rows, -1, dtype=np.int64) for t in BlockLocation}

@@ -1,20 +1,12 @@
 """Paged KV blocks on two tiers, with prefix caching within each tier.
 
-Each tier (`BlockLocation.GPU`: the device pool, `BlockLocation.CPU`: the pinned host pool) has its own
-`BlockPool` with its own block size. A sequence lives on one tier, chosen at admission by
-`engine/sched/placement.py`; its `block_table` indexes that tier's pool. A split sequence is a host-tier sequence
-whose first tokens' KV is in device blocks (`device_prefix`); its `block_table` starts after them.
-`move` re-homes a decoding sequence that is not split (promotion and demotion between the tiers).
-
-Prefix caching: a full block whose KV has been computed is registered under a hash chained over every token
-before it. A later sequence with the same leading tokens reuses the block (the token ids are compared, so
-a hash collision can never serve wrong KV). Freed blocks keep their registration until they are handed out
-again, least recently freed first.
-
-Blocks a demotion frees are *held* until its copy has read them, where that copy runs beside the device lane's
-next steps (ModelRunner.demote): the blocks the scheduler hands out before the copy is queued, and a few more for
-the steps right after, go out first (`hand_out_held`: their part of the copy goes first and the device lane waits
-for it alone), the rest return to the free list when the copy's event has completed (`hold_until`, `reclaim`).
+Each tier (GPU: the device pool, CPU: the pinned host pool) has its own BlockPool and block size. A sequence lives on
+one tier, chosen by engine/sched/placement.py, and its `block_table` indexes that tier's pool; a split sequence is a
+host-tier one whose first tokens' KV is in device blocks (`device_prefix`). `move` re-homes an unsplit sequence.
+Prefix caching: a full computed block is registered under a hash chained over every token before it; a hit also
+compares token ids, so a collision never serves wrong KV. Freed blocks keep their registration until reused, least
+recently freed first. Blocks a demotion frees are held until its copy (ModelRunner.demote) has read them; those
+handed out meanwhile go first in the copy (hand_out_held), the rest free once it lands (hold_until, reclaim).
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -127,10 +119,9 @@ class BlockPool:
 
 @dataclass
 class DevicePartGrowth:
-    """A split sequence's device part taking over the first blocks of its host part, as a promotion move sees it
-    (kv_promotion copies `num_computed_tokens` tokens from the old host blocks into `block_table`): the moved
-    tokens and their new device blocks. Its `in_flight` is the sequence's, which sits out both lanes until the
-    copy has landed."""
+    """A split sequence's device part taking over the first blocks of its host part, shaped as a promotion move
+    (kv_promotion copies `num_computed_tokens` tokens into `block_table`). Its `in_flight` is the sequence's, which
+    sits out both lanes until the copy has landed."""
 
     seq: Sequence
     num_computed_tokens: int
@@ -175,8 +166,8 @@ class BlockManager:
     def allocate(self, seq: Sequence, location: BlockLocation, device_tokens: int = 0) -> None:
         """Gives the sequence blocks for all its tokens, reusing cached prefix blocks where they match. With
         device_tokens (a whole number of device blocks; location must be the host tier), the sequence is split:
-        its first device_tokens tokens get device blocks, the rest host blocks (DESIGN.md, "Sequences across both
-        tiers"). Prefix reuse then covers the device part, whose blocks lead the sequence."""
+        its first device_tokens tokens get device blocks, the rest host blocks (docs/design.md, "Sequences across
+        both tiers"). Prefix reuse then covers the device part, whose blocks lead the sequence."""
         seq.location = seq.admitted_to = location
         if device_tokens:
             assert location == BlockLocation.CPU and device_tokens % self.pools[BlockLocation.GPU].block_size == 0
@@ -225,10 +216,9 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_device_tokens = 0
 
     def move(self, seq: Sequence, location: BlockLocation, hold: bool = False) -> list[int]:
-        """Re-homes a decoding sequence's computed KV on another tier: blocks there for its computed tokens (their
-        hashes registered), its old blocks released (with hold: held for the copy, BlockPool.hold_until). Returns
-        the old block table, whose blocks still hold the KV until the next allocation: the caller copies it before
-        anything else is scheduled."""
+        """Re-homes a decoding sequence's computed KV on another tier: new blocks there (registered), the old ones
+        released (with hold: held for the copy, BlockPool.hold_until). Returns the old block table, whose blocks hold
+        the KV until the next allocation: the caller copies it before anything else is scheduled."""
         assert not seq.is_split, "split sequences keep their parts (placement.promotions passes them over)"
         old_pool, new_pool = self.pools[seq.location], self.pools[location]
         old_table = seq.block_table
@@ -242,7 +232,7 @@ class BlockManager:
     def grow_device_part(self, seq: Sequence, num_host_blocks: int) -> tuple[DevicePartGrowth, list[int]]:
         """Moves the first num_host_blocks blocks of a split sequence's host part (computed, full) to new device
         blocks at the end of its device part. Returns the move and the old host blocks, which hold the KV until the
-        next allocation: the caller copies it (LLMEngine._promote) before anything else is scheduled."""
+        next allocation: the caller copies it before anything else is scheduled."""
         gpu, cpu = self.pools[BlockLocation.GPU], self.pools[BlockLocation.CPU]
         tokens = num_host_blocks * cpu.block_size
         assert seq.is_split and tokens <= seq.num_computed_tokens - seq.num_device_tokens

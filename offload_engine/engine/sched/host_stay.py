@@ -1,21 +1,12 @@
-"""How long host-tier rows stay on the host tier, and what the host lane gains from them over that time: the
-horizon of placement's admission check (placement.host_lane_pays).
+"""How long host-tier rows stay on the host tier, and what the host lane gains from them meanwhile: the horizon of
+placement's admission check (placement.host_lane_pays).
 
-A waiting request admitted to the host tier decodes there only until device room frees for it; then it is
-promoted, and the promotion costs the device lane about `LaneStats.move_seconds_per_token` per token of its
-context. A check of rates alone (does the lane make more tokens per second with the row?) cannot see that. In a
-prompt-heavy batch whose device rows all end together, host rows made ~14 tokens each before their promotion:
-719 tokens saved the device lane 44 steps (~0.11 s) while their 50 promotions cost it ~0.18 s (0.6B shape,
-64 x (2048 + 256) at 2,304 device blocks, benchmarks/simulate_placement.py). In a decode-heavy one they stay for
-hundreds of tokens and the same promotion is cheap beside them.
-
-The forecast replays what the scheduler would do, at the rates measured now: device rows end after their tokens
-left, each a device step, and free their budgets' blocks; host rows move up in promotions()'s order (most tokens
-left first) once the room freed so far holds them, then end on the device in turn and free theirs; a host row
-that finishes first never moves. Every device row's growth to its budget is reserved from the start. Counting
-only what rows hold now forecast room too early where prompts are long and outputs long too: 0.6B shape,
-64 x (4096 + 1024) at 2,048 blocks, the check kept the host lane at 3 rows and auto fell from 1.04x gpu to 0.995x
-(simulate_placement.py); with growth reserved, 1.04x again, and no suite point moved.
+A row admitted to the host tier decodes there only until device room frees for it; its promotion then costs the
+device lane LaneStats.move_seconds_per_token per token of context, which a check of rates alone cannot see. The
+forecast replays the scheduler at the rates measured now: device rows end after their tokens left and free their
+budgets' blocks; host rows move up in promotions()'s order once the freed room holds them; a host row that finishes
+first never moves. Every device row's growth to its budget is reserved from the start, so room is never forecast
+early. Why: docs/decisions/placement.md, "The admission cost check".
 """
 import heapq
 import math
@@ -65,10 +56,8 @@ def promotion_order(rows: Iterable[Sequence]) -> list[Sequence]:
 def host_gain_seconds(host_rows: list[Sequence], device_rows: list[Sequence], blocks: BlockManager,
                       stats: LaneStats) -> float | None:
     """Device-lane seconds saved by the host lane running these rows until each moves up or ends, less what their
-    promotions cost and what the busy lane slows the device lane by (None: the lanes are not measured yet).
-
-    Every token a host row makes is one the device lane need not: 1 / device tok/s seconds of it. While the host
-    lane runs, the device lane loses 1 - 1/slowdown of its time (LaneStats.slowdown)."""
+    promotions cost and what the busy lane slows the device lane by (None: the lanes are not measured yet). Each
+    host token saves 1 / device tok/s; while the host lane runs, the device lane loses 1 - 1/slowdown of its time."""
     device_tok_s = stats.device_tok_s.value
     step = (stats.host_step_seconds(sum(s.num_host_tokens for s in host_rows) * stats.kv_bytes_per_token)
             if host_rows else None)

@@ -1,39 +1,11 @@
-"""What the two decode lanes cost, measured as the engine runs: the inputs of placement's cost check.
-
-- A host-lane step takes `fixed + per_byte * kv_bytes` seconds: the per-layer hand-offs, copies and the rows'
-  device-side layers, then the CPU kernels streaming the rows' KV. Both terms are measured directly, not
-  fitted: the executor times its kernels inside each step, so per_byte is kernel seconds over KV bytes read and
-  fixed is the rest of the step. (A least-squares fit of step time against bytes, used before, split the two
-  terms by chance whenever the host steps all held about the same bytes, as in any steady batch; a fit that
-  put everything in per_byte made every extra row look worthless, and overflow was recomputed instead.)
-- A device-lane step takes longer while a host step is in flight than while the host lane is idle. Steps are
-  compared only at equal row counts: a busy host lane coincides with a full device batch, whose steps are
-  slower anyway, and comparing all steps at once took that for the host lane's doing. Steps that also copied
-  KV between the tiers are not timed (the engine leaves them out).
-- The device lane's tokens per second, from its recent steps.
-- What a host-tier prompt's prefill costs beyond a device-tier one's, per prompt token: a prefill step with
-  host-tier rows, less what a step of as many tokens takes without them (DevicePrefillSteps). Its host-tier rows
-  write their KV across PCIe and attend through a staging cache, and they are admitted a few at a time. At the
-  0.6B shape that was ~18 us a token, ~36 ms a 2k-token prompt, against ~24 tokens each such row decoded on the
-  host before its promotion (64 x (2048 + 256) at 576 blocks, H100 host, 2026-11-23, benchmarks/NOTES.md).
-  placement.host_lane_pays trusts it from its placement.MIN_PREFILL_SAMPLES-th sample on.
-- What a move between the tiers (a promotion or a demotion) costs the device lane per token of KV moved: the
-  engine thread's time starting its copies, plus how much longer the device step launched with it took than
-  steps of its row count without (the step right after a promotion took 4.9 ms instead of 1.75 on the H100
-  host, 2026-11-23, benchmarks/NOTES.md). Until a move was measured it is seeded with the host link's transfer
-  time per token, which the runner measures at start-up (a pinned copy), or 0 where it has none.
-
-Every estimate is the median of its last WINDOW values, so one stalled sample (a garbage collection, a cold thread,
-a move timed beside a prefill) does not set the check's inputs for dozens of steps, and a check that refuses stops
-the measurements that would correct it. The exponentially weighted means used until 2026-11-24 did: three runs of
-8B, 48 x (2048 + 512) at 2,560 blocks ended with moves measured at 4.3-7.0 us a token where four others read
-0.5-1.0; with medians, seven runs that measured moves read 0.3-1.2 (H100 host, 2026-11-24, benchmarks/NOTES.md).
-(Those three runs lost to `gpu`, but not for that reason: with medians the point still read 0.92x and 0.96x.) The
-same held for cold starts: a lane's first host steps are a row or two on cold threads, and two read 0.117 s/GB of
-kernel time against 0.014 over 201 steps of the same workload the day before, with device steps 2.4x slower beside
-them (0.6B shape, 32 x (1024 + 1024) at 512 blocks, H100 host, 2026-11-24).
-Ratios (seconds per byte, per token) are taken per value, then their median. `snapshot()` is what benchmarks
-record next to their throughput.
+"""What the two decode lanes cost, measured as the engine runs: the inputs of placement's cost checks.
+- Host-lane step: fixed + per_byte x KV bytes, both measured directly (the executor times its kernels in each step).
+- Device-lane slowdown: step time with a host step in flight over without, at equal row counts. Steps that also
+  moved KV between the tiers are not timed (the engine leaves them out).
+- Device-lane tokens per second; a move's device-lane cost per token of KV (seeded with the host link's time); a
+  host-tier prompt's prefill cost per token beyond a device-tier one's (DevicePrefillSteps).
+Every estimate is the median of its last WINDOW values (ratios taken per value): one stalled sample must not set the
+checks' inputs, since a refusal stops the samples that would correct it. Why: docs/decisions/lane-stats.md.
 """
 import statistics
 from collections import Counter, deque
@@ -64,13 +36,9 @@ class _Recent:
 class DevicePrefillSteps:
     """What a prefill step of n prompt tokens takes without host-tier rows: fixed + per_token * n, a Theil-Sen line
     (the median of the slopes between steps of unlike sizes, then the median intercept) over the last WINDOW steps.
-
-    Per token alone (the median of seconds / tokens, used until 2026-11-24) charged the fixed part of a step to its
-    tokens. At the 0.6B shape a step of 6,144 tokens took 53 ms and one of 1,024 took 17-82 (mostly the engine's
-    Python beside a host step in flight), so a 1,024-token host-tier prompt of 62 ms read 52 us a token beyond a
-    device-tier one's instead of ~24; at 8B, where steps are compute-bound, the line is near proportional (steps of
-    16,384 tokens 380-410 ms, one of 1,088 35 ms; H100 host, 2026-11-24, benchmarks/probe_host_prefill.py). Where
-    no two steps differ in size by UNLIKE, the line goes through the origin: per token, as before."""
+    Per token alone would charge a step's fixed part to its tokens and make small steps look dear. Where no two
+    steps differ in size by UNLIKE, the line goes through the origin (docs/decisions/lane-stats.md, "Prefill cost
+    per token")."""
 
     UNLIKE = 1.25  # sizes this far apart give a slope
 
@@ -193,9 +161,9 @@ class LaneStats:
 
     @property
     def slowdown(self) -> float:
-        """Device step time with a host step in flight over without, at equal row counts: the mean of the
-        per-row-count ratios, each weighted by how many steps back its rarer side (1.0 until some row count
-        was seen both ways)."""
+        """Device step time with a host step in flight over without, at equal row counts (a busy host lane coincides
+        with full device batches, slower anyway): the mean of the per-row-count ratios, each weighted by how many
+        steps back its rarer side (1.0 until some row count was seen both ways)."""
         total = weight_sum = 0.0
         for (rows, busy), busy_avg in self._device_steps.items():
             idle_avg = self._device_steps.get((rows, False)) if busy else None

@@ -1,14 +1,10 @@
-"""The device's direct accesses to the pinned host pool, and what waits for them.
+"""The device's direct accesses to the pinned host pool (HostKVPool.device_stacked), and what waits for them.
 
-Where the device addresses the pinned pool (HostKVPool.device_stacked), three kinds of device work touch host
-blocks, each on its own stream, each marked by a CUDA event once queued:
-- promotions read host blocks, on the moves stream (ModelRunner.promote): whatever writes host blocks next waits;
-- demotions write host blocks, on the moves stream beside the device lane (or on its own stream: ModelRunner.demote);
-- host-tier prefill writes host blocks, on the prefill-writes stream (layers/host_block_writes.py).
-Work on the host (host kernels, prefix staging, unpinning) blocks on the events (`wait_*`); work on another stream
-waits for them on the device (`after_*`), without holding up the engine's thread. The events are read from both
-lanes' threads and replaced only by the engine's: a read never clears one, which could drop one the other thread
-just recorded.
+Three kinds of device work touch host blocks, each marked by a CUDA event once queued: promotion reads and demotion
+writes (the moves stream, or the device lane's: tier_moves.py) and host-tier prefill writes (the prefill-writes
+stream: layers/host_block_writes.py). Host work (host kernels, prefix staging, unpinning) blocks on the events
+(`wait_*`); work on another stream waits for them on the device (`after_*`). Both lanes' threads read the events and
+only the engine's replaces them: a read never clears one, which could drop one the other thread just recorded.
 """
 import torch
 

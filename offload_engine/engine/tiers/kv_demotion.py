@@ -1,29 +1,9 @@
-"""Copies demoted sequences' KV from the device pool into their new host blocks.
+"""Copies demoted sequences' KV from their device blocks into their new host blocks.
 
-Demotion (engine/sched/placement.py says when) moves a decoding device-tier sequence to the host tier when the
-device pool has no block for some sequence's next token: instead of being preempted and recomputed, it goes
-on decoding in the host lane. Its KV crosses PCIe once.
-
-Two ways across:
-- `write_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_stacked): the device writes the
-  tokens from their token-major slots straight into the host tier's head-major blocks over PCIe, on 8 programs
-  (kernels.scatter_host_blocks), on the "moves" stream beside the device lane's next steps. The device blocks
-  the next steps write into cross first, in a kernel of their own, and the device lane waits for that one alone;
-  the rest of the freed blocks are held until the whole copy has landed (BlockPool.hold_until). On the lane's own
-  stream, as before, every demotion held up the step behind it for its whole PCIe write: ~6.5 ms for a ~2k-token
-  row at 8B, 0.52-0.55 s of a 31-32 s run with ~80 demotions (H100 host, 2026-11-24, the step traces of
-  benchmarks/trace_placement.py). (An earlier try on the moves stream, a Triton copy on 8 SMs with the freed
-  blocks reusable at once, saved nothing at 0.6B; 2026-11-23, benchmarks/NOTES.md.) The engine's thread
-  only queues the kernels; the host lane and every other reader of host blocks waits for the copy's event.
-  The staged way below took 47 ms of the engine's thread a demotion on the H100 host (8B, ~2k tokens each, 106
-  demotions: 5.0 s of a 41 s run; 2026-11-22), waiting for staging slots whose host halves the executor frees
-  only after the host lane's step, which holds it from start to end.
-- `copy_to_host` (any device): the device gathers the tokens into host-block layout (one padded host block per
-  `cpu_block_size` tokens); per group of layers, one copy takes them to a staging slot's pinned half, and on the
-  host executor numba scatters them into the sequences' host blocks. That joins the executor's queue, which
-  every later reader of those host blocks (host decode, prefix staging, promotion) also goes through, so nothing
-  here waits for it. The device half is queued on the device lane's stream before the step that reuses the
-  freed device blocks, so it reads the KV before anything overwrites it.
+`write_mapped` (CUDA, the pinned pool mapped): kernels.scatter_host_blocks writes the tokens straight into the
+head-major host blocks over PCIe. `copy_to_host` (any device): the device gathers them into host-block layout, one
+copy per group of layers takes them to a staging slot, and numba scatters them on the host executor, ahead of every
+later reader of those host blocks. Why: docs/decisions/tier-moves.md, "Demotions write the mapped pinned pool".
 """
 import numpy as np
 import torch
@@ -39,7 +19,7 @@ def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.
                  device_block_size: int, staging: MoveStaging) -> list:
     """moves: (sequence, the device blocks holding its KV); each sequence's `block_table` already names its host
     blocks and `num_computed_tokens` says how many tokens have KV. Returns the executor futures of the host
-    writes (callers need not wait: see the module docstring)."""
+    writes (callers need not wait: the module docstring says why)."""
     block = host_layers[0][0][0]
     batches = split_moves(moves, block.shape[1], 2 * block.numel() * block.element_size())
     return [write for batch in batches
@@ -48,14 +28,10 @@ def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.
 
 def write_mapped(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.Tensor, mapped_stacked: torch.Tensor,
                  device_block_size: int, upload=None, first_blocks=(), between=None) -> None:
-    """moves as copy_to_host's; device_stacked: the device pool, [L, 2, blocks, block_size, Hkv, D];
-    mapped_stacked: the host pool as a tensor on the device, [L, 2, blocks, Hkv, host block size, D]. The tokens
-    held in `first_blocks` (device blocks) cross first, in one kernel (kernels.scatter_host_blocks), then
-    between() is called (the runner marks there what the device lane waits for; not called where none are), then
-    the rest cross in another.
-    Returns once they are queued on the current stream: nothing may read the host blocks, nor write the device
-    blocks, before they have run (ModelRunner.demote records when). upload(array) -> its copy on the device
-    (PinnedRing.upload); by default a plain copy."""
+    """moves as copy_to_host's; device_stacked [L, 2, blocks, block_size, Hkv, D]; mapped_stacked: the host pool
+    as a device tensor, [L, 2, blocks, Hkv, host block size, D]. The tokens in `first_blocks` cross in one kernel,
+    then between() runs (if there were any), then the rest in another, all queued on the current stream: nothing
+    may read the host blocks, nor write the device blocks, before they have run. upload: PinnedRing.upload."""
     device = device_stacked.device
     upload = upload or (lambda array: torch.from_numpy(array).to(device))
     targets, rows, slots = host_copy_plan([(seq.num_computed_tokens, seq.block_table, device_blocks)

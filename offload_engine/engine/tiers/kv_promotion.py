@@ -1,23 +1,10 @@
-"""Copies promoted sequences' KV from the host pool into their new device blocks.
+"""Copies promoted sequences' KV from their host blocks into their new device blocks (token-major, transposed).
 
-Promotion (engine/sched/placement.py says when) moves a decoding host-tier sequence into the device pool. Its KV
-crosses PCIe once (~55 GB/s pinned on the H200 host, about what one host decode step of it reads), and from
-then on every step of it runs at device speed.
-
-Two ways across, both writing token-major rows into the new slots after a transpose from the host tier's
-head-major blocks:
-- `read_mapped` (CUDA, a pinned pool the device can address: HostKVPool.device_stacked): one kernel on the
-  "moves" stream (kernels.gather_host_blocks) reads the tokens straight from host memory over PCIe into their
-  new slots, every layer at once, on 16 programs. torch's index_select in its place took every SM for the
-  whole transfer, and the device lane's step beside it waited as long: ~17 ms a 632 MB promotion in 8B step
-  traces, none on 16 programs (kernels/host_block_copies.py). The engine's thread only queues it, and nothing
-  on the host copies.
-  The staged way below took ~17 ms of that thread per promotion on the H100 host, waiting for the executor's
-  gather and for the staging slots' copies behind the device lane's step (benchmarks/profile_timeline.py,
-  2026-11-22).
-- `copy_to_device` (any device): per group of layers, the blocks are gathered into a pinned staging slot
-  (numba, on the host executor: see cpu_attention/gather.py for why not a torch CPU op) and cross in one copy.
-  Slots come from MoveStaging, reused for every move.
+`read_mapped` (CUDA, the pinned pool mapped): one kernel, kernels.gather_host_blocks, reads every layer's tokens
+straight from host memory into their new slots, on few programs so the device lane's step beside it keeps its SMs.
+`copy_to_device` (any device): per group of layers the executor gathers the blocks into a pinned staging slot (numba:
+cpu_attention/gather.py says why) and one copy takes them across. Why: docs/decisions/tier-moves.md, "Promotions
+read the mapped pinned pool, on 16 programs".
 """
 from collections import deque
 
@@ -33,11 +20,9 @@ from offload_engine.engine.tiers.slots import host_copy_plan
 
 def read_mapped(moves: list[tuple[Sequence, list[int]]], mapped_stacked: torch.Tensor, device_stacked: torch.Tensor,
                 device_block_size: int, upload=None) -> None:
-    """moves as copy_to_device's; mapped_stacked: the host pool as a tensor on the device, [L, 2, blocks, Hkv,
-    host block size, D]; device_stacked: the device pool, [L, 2, blocks, block_size, Hkv, D]. One kernel reads
-    the tokens across PCIe into their new slots. Returns once it is queued on the current stream: the host
-    blocks must not be written before it has run (ModelRunner.promote records when). upload(array) -> its copy
-    on the device (PinnedRing.upload); by default a plain copy."""
+    """moves as copy_to_device's; mapped_stacked: the host pool as a device tensor, [L, 2, blocks, Hkv, host block
+    size, D]; device_stacked [L, 2, blocks, block_size, Hkv, D]. Queues one kernel on the current stream: the host
+    blocks must not be written before it has run. upload: PinnedRing.upload (by default a plain copy)."""
     device = device_stacked.device
     upload = upload or (lambda array: torch.from_numpy(array).to(device))
     sources, rows, slots = map(upload, _plan(moves, mapped_stacked.shape[4], device_block_size))

@@ -1,14 +1,7 @@
-"""Reusable staging for KV that moves between the tiers (kv_promotion.py up, kv_demotion.py down).
-
-A move copies one group of layers at a time through a pinned host buffer and its device twin. A fresh
-pinned tensor per group, in whatever size the moved sequences needed, made torch's pinned-memory cache grow
-by 60-120 MiB per 1,000 requests without levelling off (benchmarks/bench_load.py, H100, 2026-11-22): it
-keeps every size it was asked for. Here a few slots of GROUP_BYTES are allocated once and reused
-round-robin (moves are split so that one group fits a slot; only a single sequence whose one layer of KV is
-larger than a slot makes a slot grow, to that size): while one group is being copied the next ones are staged in the others. A slot
-is handed out again only once whatever still reads it (a CUDA event for a copy, a Future for a host write)
-says it is done; four slots hold a whole 2k-token Qwen3-0.6B sequence, so one demotion of that size never
-waits for the host executor.
+"""Reusable pinned staging for the staged moves between the tiers: NUM_SLOTS slots of GROUP_BYTES (host buffer and
+device twin), allocated once and reused round-robin. Moves are split so one group of layers fits a slot; a slot is
+handed out again only once whatever reads it (a CUDA event, or a Future for a host write) is done.
+Why: docs/decisions/tier-moves.md, "Move staging: four reusable 64 MiB slots".
 """
 import torch
 

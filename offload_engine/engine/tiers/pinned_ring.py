@@ -1,18 +1,7 @@
-"""One fixed pinned buffer, handed out in first-in-first-out regions, for host-tier prefill traffic.
-
-A host-tier prefill step sends every layer's new K/V to the host (written into the pool on the executor, not
-waited for) and may stage cached prefix blocks back. Fresh pinned tensors for these, in sizes that change
-every step and many in flight at once, made torch's pinned-memory cache grow by 0.1-0.25 GiB per 1,000
-requests without levelling off (benchmarks/bench_load.py, H100, 2026-11-22): the cache keeps whatever peak
-it has seen, in every size. The ring never grows: a region is taken at the head, and when the ring is full
-the oldest regions are waited for (their host write, or the copy that reads them) and reused. That wait is
-also the backpressure that bounds how far host writes may fall behind the device.
-
-The moves between the tiers upload their index lists through it too (`upload`): a copy from pageable memory
-may make the host wait for the stream to drain first, and a promotion or demotion that waited so would let the
-device lane's queue of steps run dry. (Not measured apart from the other changes to the moves.)
-
-Used from the engine's thread only (prefill, promotions and demotions run there).
+"""One fixed pinned buffer, handed out in first-in-first-out regions, for host-tier prefill traffic and the moves'
+index lists (`upload`). When it is full the oldest regions are waited for (their host write, or the copy that
+reads them) and reused: the ring never grows, and that wait bounds how far host writes fall behind the device.
+Used from one thread only. Why: docs/decisions/tier-moves.md, "The pinned ring for host-tier prefill traffic".
 """
 import math
 from collections import deque

@@ -13,16 +13,10 @@ from offload_engine.engine.sequence import Sequence
 
 
 def promote(runner, moves: list[tuple[Sequence, list[int]]]):
-    """Copies promoted sequences' KV from their old host blocks into their new device blocks.
-
-    Where the device reads the pinned pool directly (kv_promotion.read_mapped), the reads only get queued, on
-    the "moves" stream beside the device lane's steps, and the CUDA event that marks them done is returned:
-    the sequences must not decode before it (LLMEngine holds them out), and whatever writes host blocks or
-    reads device blocks by prefix reuse waits for it (run, demote), since the old host blocks may be handed
-    out again at once and the new device blocks are registered for reuse already. On the device lane's own
-    stream the reads held up every step behind them: 13.5 ms of a 600 MB promotion, ~0.3-0.4 s of device
-    time in a 10-37 s run at 8B (H100 host, 2026-11-22, benchmarks/NOTES.md). Otherwise the copy is done
-    when this returns, and it returns None."""
+    """Copies promoted sequences' KV from their old host blocks into their new device blocks. Where the device reads
+    the pinned pool directly, the reads are queued on the moves stream and their CUDA event is returned: the rows
+    must not decode before it, nor may anything write their old host blocks (handed out again at once) or reuse
+    their new device blocks by prefix (registered already). Otherwise the copy is done on return: None."""
     mapped = runner.host_pool.device_stacked()
     if mapped is None:
         with torch.inference_mode(), runner.lane_stream("device"):
@@ -43,23 +37,19 @@ def promote(runner, moves: list[tuple[Sequence, list[int]]]):
 def demotes_beside_device_lane(runner) -> bool:
     """Whether demote runs its copy beside the device lane's next steps (it takes first_blocks): where the
     device writes the pinned pool directly. OFFLOAD_ENGINE_DEMOTE_BESIDE=0 queues it in front of the next step
-    instead, as before (for side-by-side measurement)."""
+    instead (for side-by-side measurement)."""
     return (runner.moves_stream is not None and runner.host_pool is not None
             and runner.host_pool.device_stacked() is not None
             and os.environ.get("OFFLOAD_ENGINE_DEMOTE_BESIDE", "1") != "0")
 
 
 def demote(runner, moves: list[tuple[Sequence, list[int]]], first_blocks: list[int] | None = None):
-    """Copies demoted sequences' KV from their old device blocks into their new host blocks. Returns once the
-    device has the copies queued: where the device writes the pinned pool directly, everything that reads
-    host blocks on the host waits for them first (HostPoolAccesses.wait_writes); otherwise the host writes finish
-    on the executor, in front of every such reader (engine/tiers/kv_demotion.py).
-
-    With first_blocks (demotes_beside_device_lane): the copy runs on the moves stream beside the device lane's
-    next steps. The tokens in first_blocks, the old device blocks those steps may write, cross first and the
-    device lane's stream waits for them alone; the CUDA event that marks the whole copy done is returned, and
-    the other old blocks stay out of use until it has completed (BlockPool.hold_until). Otherwise the copy is
-    queued on the device lane's stream, in front of the next step, and this returns None."""
+    """Copies demoted sequences' KV from their old device blocks into their new host blocks; returns once queued.
+    Host readers of host blocks wait for direct writes (HostPoolAccesses.wait_writes); staged ones finish on the
+    executor, ahead of every such reader. With first_blocks (demotes_beside_device_lane) the copy runs on the moves
+    stream: the old blocks the next steps may write cross first and the device lane waits for them alone; the
+    whole copy's event is returned, and the other old blocks stay held until it (BlockPool.hold_until). Otherwise
+    the copy is queued in front of the device lane's next step: None."""
     mapped = runner.host_pool.device_stacked()
     if first_blocks is not None and demotes_beside_device_lane(runner):
         device_lane, moves_stream = runner.streams["device"], runner.moves_stream
