@@ -30,12 +30,11 @@ import argparse
 import json
 import random
 import statistics
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, replace
-from types import SimpleNamespace
 
 from benchmarks.workloads import mixed_lengths
-from offload_engine.engine import llm_engine
+from offload_engine.config import EngineConfig
+from offload_engine.engine.llm_engine import LLMEngine
 from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sched.lane_stats import LaneStats
 from offload_engine.engine.sched.scheduler import Scheduler
@@ -171,17 +170,6 @@ class SimClock:
         return self.now
 
 
-@contextmanager
-def engine_time_from(clock: SimClock):
-    """Points llm_engine's `time` name at the clock for the duration; the time module itself is left alone."""
-    real_time = llm_engine.time
-    llm_engine.time = SimpleNamespace(perf_counter=clock.perf_counter)
-    try:
-        yield
-    finally:
-        llm_engine.time = real_time
-
-
 class FakeFuture:
     """A host step's result, done once the clock reaches its end; waiting for it moves the clock there."""
 
@@ -203,8 +191,8 @@ class FakeHostLane:
     """The host-lane executor. Its step runs beside the device lane's, so it ends at a time in the future rather
     than advancing the clock; it records in LaneStats what LLMEngine._host_step would have measured."""
 
-    def __init__(self, engine: llm_engine.LLMEngine, clock: SimClock, cost: CostModel):
-        self.engine, self.clock, self.cost = engine, clock, cost
+    def __init__(self, clock: SimClock, cost: CostModel):
+        self.engine, self.clock, self.cost = None, clock, cost  # the engine is set once it exists
 
     def submit(self, _host_step, batch: list[Sequence]) -> FakeFuture:
         kv_bytes = sum(map(len, batch)) * self.cost.kv_bytes
@@ -241,10 +229,11 @@ class FakeRunner:
     step and a move's cost are waited for at once. Every token is 1."""
 
     promotes_beside_host_steps = True  # CUDA's mapped host pool: promotions run beside a host step in flight
-    demotes_beside_device_lane = False  # a demotion costs the device lane its modelled time (CostModel)
+    promotes_beside_device_lane = False  # a promotion costs the device lane its modelled time (CostModel)...
+    demotes_beside_device_lane = False  # ...and so does a demotion
 
-    def __init__(self, engine: llm_engine.LLMEngine, clock: SimClock, cost: CostModel):
-        self.engine, self.clock, self.cost = engine, clock, cost
+    def __init__(self, clock: SimClock, cost: CostModel):
+        self.engine, self.clock, self.cost = None, clock, cost  # the engine is set once it exists
         self.gpu_free_at = 0.0
         self.decode_steps: list[tuple[int, bool]] = []  # (rows, host step in flight) of each device decode step
 
@@ -288,28 +277,22 @@ class FakeRunner:
         return False
 
 
-def build_engine(policy: str, point: Point, clock: SimClock, cost: CostModel) -> llm_engine.LLMEngine:
-    """An LLMEngine with the real scheduler, pools and lane statistics around the fakes. Its __init__ would
-    load a model, so the attributes _step uses are set here instead."""
-    engine = object.__new__(llm_engine.LLMEngine)
-    engine.blocks = BlockManager(point.num_gpu_blocks, DEVICE_BLOCK_SIZE, HOST_POOL_BLOCKS[point.model],
-                                 HOST_BLOCK_SIZE, enable_prefix_caching=True)
-    engine.stats = LaneStats(cost.kv_bytes, 1 / cost.link_bytes_per_s)
-    engine.scheduler = Scheduler(engine.blocks, policy, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS,
-                                 point.max_model_len, eos_token_ids=(), kv_promotion=True,
-                                 stats=engine.stats)
-    engine.runner = FakeRunner(engine, clock, cost)
-    engine.host_lane = FakeHostLane(engine, clock, cost)
-    engine.cfg = SimpleNamespace(async_scheduling=True)
-    engine.in_flight = engine.pending = None
-    engine.promoting = []
-    engine._resolved_at = 0.0
-    engine.host_step_seconds = engine.device_step_seconds = 0.0
-    engine.decoded_by_lane = {"device": 0, "host": 0}
+def build_engine(policy: str, point: Point, clock: SimClock, cost: CostModel) -> LLMEngine:
+    """An LLMEngine with the real scheduler, pools and lane statistics around the fake runner, host lane and clock."""
+    blocks = BlockManager(point.num_gpu_blocks, DEVICE_BLOCK_SIZE, HOST_POOL_BLOCKS[point.model], HOST_BLOCK_SIZE,
+                          enable_prefix_caching=True)
+    stats = LaneStats(cost.kv_bytes, 1 / cost.link_bytes_per_s)
+    scheduler = Scheduler(blocks, policy, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, point.max_model_len,
+                          eos_token_ids=(), kv_promotion=True, stats=stats)
+    runner, host_lane = FakeRunner(clock, cost), FakeHostLane(clock, cost)
+    cfg = EngineConfig(kv_placement=policy, block_size=DEVICE_BLOCK_SIZE, cpu_block_size=HOST_BLOCK_SIZE,
+                       max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, async_scheduling=True)
+    engine = LLMEngine(cfg, point.max_model_len, runner, scheduler, stats, host_lane=host_lane, clock=clock.perf_counter)
+    runner.engine = host_lane.engine = engine
     return engine
 
 
-def add_requests(engine: llm_engine.LLMEngine, point: Point) -> None:
+def add_requests(engine: LLMEngine, point: Point) -> None:
     """Random prompts (the same for every policy), each generating exactly its output length."""
     rng = random.Random(0)
     for prompt_len, output_len in zip(*point.lengths):
@@ -320,15 +303,14 @@ def add_requests(engine: llm_engine.LLMEngine, point: Point) -> None:
 def simulate(policy: str, point: Point, cost: CostModel | None = None) -> dict:
     """Runs every request of the point to its end under `policy`; returns what a device run would report."""
     clock = SimClock()
-    with engine_time_from(clock):
-        engine = build_engine(policy, point, clock, cost or COST_MODELS[point.model])
-        add_requests(engine, point)
-        while engine.has_work():
-            engine._step()
+    engine = build_engine(policy, point, clock, cost or COST_MODELS[point.model])
+    add_requests(engine, point)
+    while engine.has_work():
+        engine.step()
     return summarize(policy, point, engine, clock.now)
 
 
-def summarize(policy: str, point: Point, engine: llm_engine.LLMEngine, seconds: float) -> dict:
+def summarize(policy: str, point: Point, engine: LLMEngine, seconds: float) -> dict:
     steps = engine.runner.decode_steps
     scheduler = engine.scheduler
     return {

@@ -57,8 +57,8 @@ class LLM:
         self.dtype = self.model_config.dtype if dtype == "auto" else DTYPES[dtype]
         self.tokenizer = _load_tokenizer(model)
         torch.manual_seed(seed)
-        self.engine = LLMEngine(model, self.model_config, self.config, self.dtype, self.max_model_len,
-                                _eos_token_ids(model, self.model_config))
+        self.engine = LLMEngine.load(model, self.model_config, self.config, self.dtype, self.max_model_len,
+                                     _eos_token_ids(model, self.model_config))
         # close(), `with`, and garbage collection all release the same things through this (once). It holds
         # the engine, never this object, so an LLM that is dropped unclosed is still collected and released.
         self._finalizer = weakref.finalize(self, self.engine.close)

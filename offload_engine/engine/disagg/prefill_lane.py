@@ -76,20 +76,14 @@ class PrefillLane:
     def busy(self) -> bool:
         return self.step is not None or bool(self.landing)
 
-    @staticmethod
-    def runs(seq: Sequence) -> bool:
-        """Device-tier rows that are not split. The others prefill on the decode device, as without PD: their KV goes
-        to the host pool, which only the decode runner writes, and they attend through its staging cache."""
-        return seq.location == BlockLocation.GPU and not seq.is_split
-
-    def submit(self, batch: list[Sequence]) -> list[Sequence]:
-        """Starts the lane's rows of a scheduled prefill batch on the lane; returns the others, which prefill on
-        the decode device, queued there behind the KV sent so far (a split row's device part may hit it)."""
-        rows, rest = [s for s in batch if self.runs(s)], [s for s in batch if not self.runs(s)]
-        if rest:
+    def submit(self, rows: list[Sequence], decode_device_prefills: bool) -> None:
+        """Starts prompt chunks on the lane (the plan's prefill_elsewhere). decode_device_prefills: this step also
+        prefills rows on the decode device, which queue there behind the KV sent so far (a split row's device part
+        may hit it)."""
+        if decode_device_prefills:
             self.handoff.order_decode_prefill()
         if not rows:
-            return rest
+            return
         pool = self.blocks.pool(BlockLocation.GPU)
         marks = self.handoff.decode_marks()
         chunks = _Chunks(rows, [_chunk_blocks(seq, pool.block_size) for seq in rows])
@@ -103,7 +97,6 @@ class PrefillLane:
         self.step = (chunks, self.thread.submit(self._run, chunks, written, marks))
         self.num_steps += 1
         self.num_prompt_tokens += sum(seq.num_scheduled_tokens for seq in rows)
-        return rest
 
     def _run(self, chunks: _Chunks, written: list[int], marks: list) -> float:
         """One lane step, on the lane's thread: the chunks, then their KV's send. Returns its seconds."""

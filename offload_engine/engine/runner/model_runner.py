@@ -262,6 +262,10 @@ class ModelRunner:
         return tier_moves.promote(self, moves)
 
     @property
+    def promotes_beside_device_lane(self) -> bool:
+        return tier_moves.promotes_beside_device_lane(self)
+
+    @property
     def demotes_beside_device_lane(self) -> bool:
         return tier_moves.demotes_beside_device_lane(self)
 

@@ -1,14 +1,11 @@
-"""Continuous batching with chunked prefill, on two KV tiers.
+"""Continuous batching with chunked prefill on two KV tiers: the scheduler plans each engine step.
 
-A step is either a prefill step (chunks of prompts, up to `max_num_batched_tokens` tokens) or a decode step
-(one token for every running sequence of one tier: decode runs in two lanes, see engine/llm_engine.py).
-Prefill goes first, so new requests join the batch as soon as a tier has room for them. When a decode step
-finds no room for a sequence's next token, a sequence on the same tier gives up its blocks: under "auto" device
-sequences nearest their end are demoted to the host tier first, where placement allows (their KV is copied,
-they go on decoding in the host lane); otherwise the newest is preempted and recomputed later. Sequences in
-flight in the host lane are never touched. No request is dropped. With kv_promotion ("auto"), host-tier sequences move back up
-into device room before new requests take it (schedule_promotions). Which tier, and whether a move pays, is
-engine/sched/placement.py's to say.
+A step is a prefill step (prompt chunks, up to `max_num_batched_tokens` tokens; prefill goes first, so new requests
+join as soon as a tier has room) or a decode step (one token for every running row of a lane). When a row's next token
+finds no room, a row on the same tier gives up its blocks: under "auto" a device row is demoted to the host tier where
+placement allows, else the newest is preempted and recomputed. Host rows move back up into device room before new
+requests take it. Rows in flight in a lane are never touched; no request is dropped. Which tier, and whether a move
+pays, is placement.py's to say; `plan` returns the step as one StepPlan (plan.py).
 """
 from collections import deque
 from collections.abc import Iterator
@@ -18,7 +15,13 @@ from offload_engine.engine.sched import placement
 from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sched.lane_stats import LaneStats
 from offload_engine.engine.sched.placement import choose_tier, demotes, demotion_victims, promotions
+from offload_engine.engine.sched.plan import LaneState, StepPlan, Wait
 from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequence, SequenceStatus
+
+# A demotion's copy beside the device lane lands within a step or two; the device rows start about rows / block_size
+# new blocks a step. The freed blocks for this many steps go out at once (their part of the copy first), the rest
+# once it has landed. docs/decisions/engine-step.md, "Demotion spare blocks".
+DEMOTION_SPARE_STEPS = 3
 
 
 class Scheduler:
@@ -36,7 +39,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order: the newest is preempted first
         self.stats = stats  # the lanes' measured costs, for placement's cost check
-        self.demotions: list[tuple[Sequence, list[int]]] = []  # made by schedule_decode, copied by the engine
+        self.demotions: list[tuple[Sequence, list[int]]] = []  # made by schedule_decode, handed out by plan
         self.num_preemptions = 0
         self.num_promotions = 0
         self.num_demotions = 0
@@ -54,6 +57,51 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def plan(self, lanes: LaneState) -> StepPlan:
+        """This step's plan (engine/sched/plan.py): promotions first, then a prefill step if prompt chunks run on
+        this device, else the host lane's step if it pays, the device lane's rows and the demotions that make room
+        for them, and, without device rows, what to wait for. The stages below are public for tests; the engine
+        calls only this."""
+        moves = self.schedule_promotions() if lanes.may_promote else []
+        if lanes.promotions_sit_out:
+            for seq, _ in moves:
+                seq.in_flight = True  # until its copy lands (LLMEngine takes it in)
+        prefill = [] if lanes.prefill_lane_computing else self.schedule_prefill()
+        elsewhere = [s for s in prefill if lanes.prefill_lane and prefills_on_lane(s)]
+        here = [s for s in prefill if not (lanes.prefill_lane and prefills_on_lane(s))]
+        if here:
+            return StepPlan(tuple(moves), tuple(here), tuple(elsewhere))
+        host_rows = [] if lanes.host_step_in_flight else self._host_rows_that_pay(lanes.hold_back_horizon)
+        device_rows = self.schedule_decode(BlockLocation.GPU)
+        spare = DEMOTION_SPARE_STEPS * self.blocks.pool(BlockLocation.GPU).blocks_for(len(device_rows))
+        demotions, first = self.take_demotions(spare)
+        wait, idle_host_rows = Wait.NOTHING, []
+        if not device_rows:
+            wait, idle_host_rows = self._wait_without_device_rows(lanes, bool(host_rows), bool(moves), bool(elsewhere))
+        return StepPlan(tuple(moves), (), tuple(elsewhere), tuple(host_rows), tuple(device_rows), tuple(demotions),
+                        tuple(first), wait, tuple(idle_host_rows))
+
+    def _host_rows_that_pay(self, hold_back_horizon: float | None) -> list[Sequence]:
+        """A host-lane step's rows if the cost check lets the lane step (placement.host_step_pays). Host rows that
+        device room frees up for within the horizon sit it out, where they could be promoted mid-step."""
+        hold_back = frozenset() if hold_back_horizon is None else self.promotion_hold_back(hold_back_horizon)
+        return self.schedule_decode(BlockLocation.CPU, hold_back=hold_back) if self.host_step_pays() else []
+
+    def _wait_without_device_rows(self, lanes: LaneState, host_starts: bool, promoted: bool,
+                                  prefill_elsewhere: bool) -> tuple[Wait, list[Sequence]]:
+        """What a step with no device rows waits for: the device step in flight, promotions' copies (their rows
+        decode on the device next), the prefill lane, or the host lane's step. A host lane the cost check held
+        back steps now, since there is no device lane to slow down."""
+        if lanes.device_step_in_flight:
+            return Wait.DEVICE_STEP, []
+        if lanes.promotions_landing or (promoted and lanes.promotions_sit_out):
+            return Wait.PROMOTIONS, []
+        host_busy = lanes.host_step_in_flight or host_starts
+        idle_rows = [] if host_busy else self.schedule_decode(BlockLocation.CPU)
+        if lanes.prefill_lane_busy or prefill_elsewhere:
+            return Wait.PREFILL_LANE, idle_rows
+        return (Wait.HOST_STEP if host_busy or idle_rows else Wait.NOTHING), idle_rows
 
     def schedule_prefill(self) -> list[Sequence]:
         """Prompt chunks for the next step (running prefills first, then admissions); empty if none. A prefill in
@@ -277,3 +325,10 @@ class Scheduler:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
+
+
+def prefills_on_lane(seq: Sequence) -> bool:
+    """Whether a prompt chunk runs on the prefill lane, where there is one: device-tier rows that are not split.
+    The others prefill on the decode device, as without the lane: their KV goes to the host pool, which only the
+    decode runner writes, and they attend through its staging cache."""
+    return seq.location == BlockLocation.GPU and not seq.is_split

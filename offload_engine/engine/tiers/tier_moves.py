@@ -34,6 +34,12 @@ def promote(runner, moves: list[tuple[Sequence, list[int]]]):
         return runner.accesses.record("promotion_reads")
 
 
+def promotes_beside_device_lane(runner) -> bool:
+    """Whether promote's copy runs beside the device lane and lands after it returns (it returns the copy's event):
+    where the device reads the pinned pool directly."""
+    return runner.host_pool is not None and runner.host_pool.device_stacked() is not None
+
+
 def demotes_beside_device_lane(runner) -> bool:
     """Whether demote runs its copy beside the device lane's next steps (it takes first_blocks): where the
     device writes the pinned pool directly. OFFLOAD_ENGINE_DEMOTE_BESIDE=0 queues it in front of the next step
