@@ -1,30 +1,22 @@
 """Replays the engine's scheduling on a simulated clock, to predict what "auto" does against "gpu" without a GPU.
 
 Which rows demote or promote, and how many rows each lane runs, follow from the scheduler's state and the step
-times it is fed: nothing else is random. So the real LLMEngine._step, Scheduler, BlockManager, placement and
-LaneStats run here with a fake model runner and host lane whose steps take times from a cost model measured on
-the device, and the replay reproduces a device run's step and move counts. On the H100 host (2026-11-22), 8B,
-64 x (1024 + 1024) at 3,296 device blocks, it matched "gpu" exactly (2,074 device steps of 31.6 rows, 28
-recomputes) and "auto"'s steps and moves within 1%.
-
-Not modelled: the host lane's GPU work beyond a slowdown of device steps (a constant factor, or with
---device-ms-per-host-step a fixed cost per host step; host-tier prefill only as a constant per token beyond a
-device-tier prompt's), and
-async scheduling's overlap beyond this: the GPU runs device steps back to back and the engine's own work hides
-behind them; the engine waits, on the clock, only where it reads a step's tokens. (Until 2026-11-23 a step moved
-the clock when it was queued, so a step read with no newer one behind it measured 0 s and the engine's device
-tok/s jumped to ~10^5.) A move costs the device lane a constant per token of its context (the engine thread's
-share and the slower device steps right after it, measured with profile_timeline.py). Timings are a guide to which changes are worth a device run;
-device runs decide. (It predicted 1.07 for the demotion order of d2e1354 at the
-point above; the device measured 0.84, because demotions' staged copies then held the engine's thread 47 ms
-each, and 1.01 once they no longer did.)
+times it is fed: nothing else is random. So the real LLMEngine (built through its constructor), Scheduler,
+BlockManager, placement and LaneStats run here with a fake model runner, host lane and clock whose step times come
+from a cost model measured on the device (COST_MODELS). The GPU runs device steps back to back and the engine waits,
+on the clock, only where it reads a step's tokens. Not modelled: the host lane's GPU work beyond a slowdown of device
+steps (a constant factor, or with --device-ms-per-host-step a fixed cost per host step), host-tier prefill beyond a
+constant per token, and a move beyond a constant per token of its context. Timings are a guide to which changes are
+worth a device run; device runs decide. Where it was right and wrong: docs/decisions/placement.md, "The placement
+replay".
 
     PYTHONPATH=. python -m benchmarks.simulate_placement [--mixed | --grid] [--out PATH]
     PYTHONPATH=. python -m benchmarks.simulate_placement --model qwen3-8b --num-seqs 64 --prompt-len 1024 \\
         --output-len 1024 --num-gpu-blocks 3296 [--spread 0.5] [--device-ms-per-host-step 3]
 
 `--mixed` replays the suite's points with lengths spread around their means (workloads.mixed_lengths): a real
-batch's requests end at different steps, so device room frees a row at a time instead of all at once.
+batch's requests end at different steps, so device room frees a row at a time instead of all at once. `--grid`
+replays ten shapes at three budgets and two spreads, the suite and points measured off it.
 """
 import argparse
 import json
@@ -87,35 +79,7 @@ class CostModel:
         return 1 + self.device_s_per_host_step / max(host_step_seconds, 1e-3)
 
 
-# Read off the H100 runs of 2026-11-23 (after the runner work: whole-step graphs, async scheduling).
-# 0.6B: graph replays of 1.54 ms at 1 row and 1.76-1.79 at 5-7 rows of ~1.5k tokens (profile_timeline.py); the
-# suite's lane statistics (host fixed 6-9 ms, 10.3 ms per GB); a promotion of ~1.5k tokens 1.2 ms of the engine's
-# thread + 1.3 ms of slower device steps, a demotion 1.8 + 2.4 (benchmarks/NOTES.md, 2026-11-23 evening).
-# 8B: gpu's 2,868 tok/s at ~35 rows of ~1.5k tokens (12 ms a step); lane statistics host fixed 31-43 ms, 15-19 ms
-# per GB, slowdown 1.03-1.04 on prompt-heavy; moves scaled from 0.6B by KV bytes per token (not measured).
-# Host-tier prefill (late 2026-11-23, with the device writing host blocks itself): 0.6B, 16 host-tier prompts of
-# 2,048 tokens added 0.58 s of prefill to gpu's 0.53 at 576 blocks, ~18 us a token, and the lane's slowdown was
-# 1.05 (1.21 in the suite run before); 8B scaled by KV bytes per token (not measured).
-# Host-tier prefill re-measured 2026-11-24 (sixteenth session), after its writes became one kernel a layer
-# (kernels.write_host_blocks_whole): the engine's own estimate read 0-2.4 us a token at 0.6B and 0.5-1.3 at 8B over
-# nine runs (results/nvidia-h100-80gb-hbm3/prefill_kernel_2026-11-24/ab_summary.txt); 18 and 23 before.
-# 8B recalibrated to gpu's decode-heavy run of that evening (2,078 steps of 31.5 rows, 9.5 ms each; 108k prompt
-# tokens, recomputes included, in 2.52 s): dev_fixed 7.5 -> 5.6 ms, prefill 21k -> 43k tok/s. The replay then gives
-# gpu 2,952 tok/s (measured 2,940) and auto 2,588 in 2,616 steps of 23.9 rows (measured 2,477 in 2,667 of 23.5).
-# 0.6B prefill re-measured 2026-11-24 (seventeenth session, benchmarks/probe_prefill_steps.py, gpu engines at 64 x
-# (2048 + 256), 576 blocks): 2,048-token steps ~30 ms, 8,192-token ~37, 16,384-token ~75 (the suite at 2,304 blocks).
-# A step is the engine thread's eager launches up to ~6k tokens and the GPU's arithmetic beyond: max(29 ms, tokens /
-# 218k a second) fits all three, where 150k tok/s alone made small steps cheap and left unseen what auto paid at
-# 1/16 for prefill steps of one or three rows (35 steps where gpu took 19; benchmarks/NOTES.md, seventeenth session).
-# Since prefill graphs (2026-11-25, results/nvidia-h100-80gb-hbm3/prefill_graphs_2026-11-25/): device-tier steps up
-# to 8,192 tokens take 9.5 / 15.3 / 21.3 / 26.8 ms for 1-4 prompts of 2,048, i.e. 3.7 ms + tokens / 353k a second.
-# The 8B's buckets pay up to ~1.5k tokens only (its replay outgrows the launches), where prefill is GPU-bound anyway.
-# Moves re-scaled 2026-11-24 (seventh session): promotions read the host pool on 16 programs beside the device lane
-# since f802db9, demotions write it on 8 since 8452c86, and the device lane's extra time per move fell with them
-# (a decode-heavy 8B demotion 4.68 -> 1.74 ms; a 632 MB promotion's step beside it 22-23 -> 5.7-6.1 ms against 5.4
-# alone), while the engine thread's share did not: promotions ~0.4x, demotions ~0.25x of the costs above. Against
-# 20 points measured on the device (suite, mixed lengths, off the suite) the replay's auto/gpu moved from 0.039 to
-# 0.033 off on average, and it still reads low (by 0.02 on average; benchmarks/NOTES.md, 2026-11-24, seventh session).
+# Calibrated on the H100 host from device runs: docs/decisions/placement.md, "The replay's cost model".
 COST_MODELS = {
     "qwen3-8b": CostModel(dev_fixed=0.0056, dev_row=0.00005, kv_bw=3.0e12, busy=1.035, host_fixed=0.038,
                           host_per_gb=0.016, prefill_tok_s=43000, promote_s_per_tok=0.9e-6,

@@ -1,7 +1,8 @@
 """Attention on the host tier: numba kernels over head-major paged KV caches, and the worker that runs them.
 
 Caches are [num_blocks, Hkv, block_size, D] torch CPU tensors (pinned when CUDA is present), read and written
-in place through zero-copy numpy views. See DESIGN.md, "Kernel contracts".
+in place through zero-copy numpy views. Contract: docs/design.md, "Kernel contracts"; measurements and the
+designs weighed: docs/decisions/host-kernel.md.
 """
 import os
 

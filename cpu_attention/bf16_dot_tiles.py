@@ -39,13 +39,9 @@ def _tile_setup(context, builder, signature, args):
 def _bf16_tile(num_heads, num_rows):
     """An intrinsic tile(q, q_row, k, k_row, scores, score_row, dim, scale), on addresses and row strides in bytes
     (ints): scores[i, j] = scale * q[i] . k[j] for i < num_heads, j < num_rows, where q and k hold uint16 bfloat16
-    patterns, rows of `dim` values (a multiple of BF16_LANES), and scores float32.
-
-    Every 32-value stretch of a query row and a K row is one vdpbf16ps into a float32 accumulator per (head,
-    row): each product is exact in float32 and the sums are float32, as in the widening path, in another order.
-    The heads x rows accumulators share each load, as the widening path's sums do. Addresses, not arrays: numba
-    increments and decrements an array argument's reference count around every call, atomically, on one cache
-    line that every worker shares (that made this path slower than widening)."""
+    patterns, rows of `dim` values (a multiple of BF16_LANES), and scores float32. Every 32-value stretch of a
+    query row and a K row is one vdpbf16ps into a float32 accumulator per (head, row): exact products, float32
+    sums, the widening path's in another order."""
 
     @intrinsic
     def tile(typingctx, q, q_row, k, k_row, scores, score_row, dim, scale):
@@ -83,10 +79,9 @@ def _bf16_values_tile(num_heads, num_rows):
     acc[i] += sum_j p[i, j] * v[j] for i < num_heads, j < num_rows, where v holds uint16 bfloat16 patterns (rows
     of `dim` values, a multiple of BF16_LANES), p and acc float32.
 
-    vdpbf16ps multiplies pairs: two V rows are interleaved value by value (one shuffle per 32 values), and the two
-    rows' probabilities, rounded to bfloat16 (as flash-attention rounds P before its P x V product), are
-    broadcast as one pair. Each product is exact in float32 and the sums are float32. An odd last row pairs with
-    zeros. Eight rows a tile: each accumulator row is loaded and stored once per eight V rows."""
+    vdpbf16ps multiplies pairs: two V rows are interleaved value by value (one shuffle per 32 values), and their
+    probabilities, rounded to bfloat16 (as flash-attention rounds P), are broadcast as one pair; an odd last row
+    pairs with zeros. Eight rows a tile: each accumulator row is loaded and stored once per eight V rows."""
 
     @intrinsic
     def tile(typingctx, v, v_row, p, p_row, acc, acc_row, dim):

@@ -4,9 +4,8 @@ Three ways to the same float32 sums, chosen per call by the queries' type and th
 - widened value by value (block_scores_widened, block_values_widened): every cache dtype and head_dim;
 - the word tiles (word_tiles.py): bfloat16 caches with head_dim a multiple of 32, the default there;
 - vdpbf16ps (bf16_dot_tiles.py): bfloat16 with OFFLOAD_ENGINE_BF16_DOT=1 on CPUs that have AVX-512 BF16.
-The tiled paths share one loop structure (_tiled_block_scores, _tiled_block_values) over their own tiles.
-Every function here prefetches the next run of K or V rows (next_block: a flat index into the cache) into L2
-as it goes, across the jumps between blocks that the hardware prefetcher cannot see.
+Every function prefetches the next run of K or V rows (next_block: a flat index into the cache) into L2 as it
+goes, across the jumps between blocks that the hardware prefetcher cannot see.
 """
 import math
 
@@ -35,13 +34,10 @@ def prefetch_row(cache, row_start, step):
 def block_scores_widened(q, h0, group, kb, n, scores, block_max, k_cache, next_block):
     """scores[g, t] = q[h0 + g] . k[t] for the n valid rows of one K block, and block_max[g] = max_t scores.
 
-    Four rows at a time, the group's heads in quads, then a pair, then a single head (the group's remainder
-    mod 4 is 0-3 heads): every widened K element feeds every head of the pass (the GQA group shares the load)
-    and every q element four rows, and the pass's sums' horizontal reductions overlap each other. The pair and
-    single passes are not rare leftovers: group 2 (Qwen3-0.6B, 16/8 heads) runs only the pair pass, group 1
-    only the single one, and one dot per row would be a chain of loads and reductions that never overlap.
-    The tail rows (n % 4) take one _dot per head. The max is taken here, one step per four rows, because a
-    separate pass is a serial chain of compares.
+    Four rows at a time, the group's heads in quads, then a pair, then a single head: every widened K element
+    feeds every head of the pass and every q element four rows, and the pass's reductions overlap. Group 2
+    (Qwen3-0.6B) runs only the pair pass, group 1 only the single one. The tail rows (n % 4) take one _dot per
+    head. The max is taken here, one step per four rows: a separate pass is a serial chain of compares.
     """
     prefer_wide_vectors()
     block_max[:] = -np.inf
@@ -138,9 +134,8 @@ def _bf16_dot_applies_impl(q, dim):
 
 
 def _tiled_block_scores(tile_4x4, tile_2x4, tile_1x4, tile_1x1):
-    """block_scores_widened on tiles (the vdpbf16ps or the word tiles' scores): scores[g, t] = scale * q[h0 + g] . k[t]
-    for the n valid rows of one K block, the same passes (four rows by a quad, a pair or a single head of the
-    group, then the tail rows one by one), then each head's max. q holds the queries each tile kind reads."""
+    """block_scores_widened on tiles (the vdpbf16ps or the word tiles' scores): scores[g, t] = scale * q[h0 + g] .
+    k[t] in the same passes, then each head's max. q holds the queries each tile kind reads."""
 
     @njit(nogil=True)
     def block_scores(q, h0, group, kb, n, scores, block_max, k_cache, next_block, scale):
@@ -171,9 +166,8 @@ def _tiled_block_scores(tile_4x4, tile_2x4, tile_1x4, tile_1x1):
 
 
 def _tiled_block_values(tile_4x8, tile_2x8, tile_1x8, tile_4x1, tile_2x1, tile_1x1):
-    """block_values_widened on tiles (the vdpbf16ps or the word tiles' P x V): acc[g] += sum_t p[g, t] * v[t], eight rows
-    a pass, the group's heads in quads, then a pair, then a single head; the last n % 8 rows (a partial last block
-    only, at the host tier's block sizes) one at a time. acc is in the order its tile kind keeps."""
+    """block_values_widened on tiles (the vdpbf16ps or the word tiles' P x V): acc[g] += sum_t p[g, t] * v[t], eight
+    rows a pass, heads in quads, a pair, a single; the last n % 8 rows one at a time. acc is in its tiles' order."""
 
     @njit(nogil=True)
     def block_values(vb, n, scores, acc, v_cache, next_block):
@@ -275,10 +269,8 @@ def softmax_update(scores, n, block_maxes, running_max, running_sum, acc):
 
 @njit(nogil=True, fastmath=FASTMATH)
 def block_values_widened(vb, n, scores, acc, v_cache, next_block):
-    """acc[g] += sum_t p[g, t] * v[t], four V rows per pass, so each accumulator row is loaded and stored once
-    per four V rows instead of once per row: the group's heads in quads, then a pair (group 2 runs only this
-    one), then a single head, so that every widened V element feeds as many heads as the group has left. The
-    tail rows (n % 4) go one row at a time."""
+    """acc[g] += sum_t p[g, t] * v[t], four V rows a pass (each accumulator row loaded and stored once per four),
+    the group's heads in quads, then a pair, then a single head; the tail rows (n % 4) one at a time."""
     prefer_wide_vectors()
     group, dim = acc.shape
     step = CACHE_LINE_BYTES // vb.itemsize

@@ -1,17 +1,11 @@
 """Paged decode attention on the host: validation, zero-copy numpy views, the split plan, the output dtype.
 
-Layout: head-major caches [num_blocks, Hkv, block_size, D] (see decode_kernel.py for the kernel itself).
-Contract (DESIGN.md, "Kernel contracts"): q [B, Hq, D] in the caches' dtype (float32, bfloat16 or float16),
-block_tables [B, max_blocks] padded with -1, context_lens [B], Hq % Hkv == 0 -> out [B, Hq, D] in q's dtype and
-lse float32 [B, Hq] (natural log); a row with context 0 gives out 0 and lse -inf. Everything is a torch CPU
-tensor; the caches must be contiguous because they are never copied.
-
-The kernel takes q as it is (it widens and scales it per work item, or multiplies bfloat16 patterns as they
-are), and its float32 output is rounded to q's dtype in numpy, not in torch: a torch CPU op of more than 32k
-elements on the executor's thread makes torch start an OpenMP team of its own there, whose threads then spin
-beside the kernel's. On the H100 host the kernel took 97 ms a step with the device lane idle and 285 ms with it
-busy; 81 and 89 ms with numpy casts (benchmarks/NOTES.md). numpy's casts are single-threaded; float16 rounds in
-numpy's own cast, bfloat16 by round-to-nearest-even on the bits.
+Contract (docs/design.md, "Kernel contracts"): head-major caches [num_blocks, Hkv, block_size, D], contiguous (never
+copied); q [B, Hq, D] in their dtype (float32, bfloat16 or float16), block_tables [B, max_blocks] padded with -1,
+context_lens [B], Hq % Hkv == 0 -> out [B, Hq, D] in q's dtype and lse float32 [B, Hq] (natural log); a row with
+context 0 gives out 0 and lse -inf. All torch CPU tensors. The output is rounded to q's dtype in numpy, never in
+torch (docs/decisions/host-kernel.md, "Output rounded in numpy"): float16 by numpy's cast, bfloat16 by
+round-to-nearest-even on the bits.
 """
 import numba
 import numpy as np

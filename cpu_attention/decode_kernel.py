@@ -1,16 +1,10 @@
 """Numba kernel: paged decode attention over a head-major host KV cache.
 
-Memory layout: k_cache / v_cache are [num_blocks, Hkv, block_size, D]. One block's kv heads are one contiguous
-run of Hkv * block_size * D values, so a work item that takes a block's heads in order streams it front to
-back; software prefetch runs PREFETCH_ROWS rows ahead (into L2) across the jumps between blocks that the hardware
-prefetcher cannot see.
+Layout: k_cache / v_cache [num_blocks, Hkv, block_size, D]: one block's kv heads are one contiguous run, which an
+item that takes them in order streams front to back. Elements are float32, or bfloat16 / float16 as uint16 / int16
+patterns (numba has neither; the element type selects the widening, numerics.widen); all arithmetic is float32.
 
-Element types: float32 arrays are used as they are. numba has neither bfloat16 nor float16, so both arrive as
-16-bit patterns: bfloat16 as uint16, float16 as int16. The array's element type alone selects the widening to
-float32, so one kernel source serves the three dtypes; all arithmetic is float32.
-
-Contract: decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out,
-lse)
+Contract: decode_kernel(q, k_cache, v_cache, block_tables, context_lens, scale, chunk_blocks, num_threads, out, lse)
 - q [B, Hq, D] in the caches' element type, not scaled: scores are scale * q.k; Hq % Hkv == 0, query head h uses
   kv head h // (Hq / Hkv);
 - block_tables int32 [B, max_blocks], -1 padded; entries past a context are never read;
@@ -20,22 +14,11 @@ lse)
 - out float32 [B, Hq, D] and lse float32 [B, Hq] (natural log of sum exp(score)) are written;
 - returns 0, or an ERRORS code before any KV is read.
 
-Work split: an item is (sequence, split, run of kv heads); a split is chunk_blocks consecutive blocks of one
-sequence, so one long sequence still feeds every core (split-K), and the run is all of a block's kv heads where
-that leaves enough items (plan_work). Each (kv head) of an item runs an online softmax block by block: scores
-of the whole block first, then max/exp, then the V accumulation; the group's query heads share every K/V row
-they load (GQA). Each item widens its group's queries once and every K and V element as it is loaded; bfloat16
-caches whose head_dim is a multiple of 32 are read as 32-bit words, two values a lane (the word tiles). With
-OFFLOAD_ENGINE_BF16_DOT=1 on CPUs that have AVX-512 BF16, the products come from `vdpbf16ps` on the bit patterns
-as stored instead (bf16_dot_tiles.py): 32 exact products an instruction, nothing
-widened; it no longer measures faster (kernel_switches.py). Workers take items from an atomic counter: numba's
-OpenMP layer schedules prange statically, and one core busy with the engine's main thread must not hold up the
-whole step. Partial results are merged per (sequence, query head) by log-sum-exp.
-
-Files: block_attention.py holds one (block, kv head) on each path, the tiles it runs on are in word_tiles.py and
-bf16_dot_tiles.py, and decode_layers.py runs this kernel's items for a whole host-lane step. numba's own cache
-would serve a kernel stale when one of those files changes (it stamps the cached function's file alone);
-numba_cache.py stamps every kernel with all of cpu_attention's sources.
+Work: an item is (split: chunk_blocks consecutive blocks of one sequence, run of kv heads; plan_work), so one long
+sequence still feeds every core. Each kv head of an item runs an online softmax block by block (block_attention.py),
+its query heads sharing every K/V row loaded. Workers take items from an atomic counter, not prange's static
+schedule: a core busy with the engine's thread must not hold up the step. Partials merge per (sequence, query
+head) by log-sum-exp. decode_layers.py runs the same items for a whole host-lane step.
 """
 import math
 
@@ -64,14 +47,9 @@ ABANDONED = 3
 @njit(nogil=True, cache=True)
 def plan_work(context_lens, block_size, num_kv_heads, num_threads):
     """(chunk_blocks, item_heads): a work item is up to chunk_blocks consecutive blocks of one sequence (a split)
-    for item_heads consecutive kv heads. About ITEMS_PER_THREAD items a thread over all (block, kv head) pairs,
-    no split shorter than MIN_ITEM_TOKENS (or one block), and as many heads an item as that leaves room for.
-
-    Why whole heads: a block's kv heads lie side by side in the cache, so an item that takes them all streams
-    one run of num_kv_heads x block_size rows, where one head a block reads block_size rows and jumps. Measured
-    on the H100 host, 1 x 128k at Hq 32 on 14 threads: 9.09 -> 7.46 and 9.47 -> 7.87 ms, 7.55 -> 7.49 in a
-    third call (benchmarks/NOTES.md). A plain sum over the same pages read alike in either order, so the gain is
-    in how the kernel's prefetch and arithmetic overlap along the longer runs, not in the memory system alone."""
+    for item_heads consecutive kv heads. About ITEMS_PER_THREAD items a thread, no split shorter than
+    MIN_ITEM_TOKENS (or one block), and as many heads an item as that leaves room for (why whole heads:
+    docs/decisions/host-kernel.md, "Items of whole block-heads")."""
     total_blocks = 0
     for b in range(context_lens.shape[0]):
         total_blocks += (max(context_lens[b], 0) + block_size - 1) // block_size
@@ -113,10 +91,9 @@ def _attend_split(q, scale, wide_q, k_cache, v_cache, table_row, context_len, h0
     """Online softmax of one sequence's kv heads h0..h0+heads-1 over blocks first..last-1 of its table row, in
     the cache's order: block by block, and within a block head by head. q [Hq, D] is the sequence's query as
     given; wide_q [Hq, D] is the worker's scratch for the heads' queries widened and scaled, where the scores do
-    not come from bfloat16 dot products (in even/odd order and unscaled where the word tiles apply: they scale
-    their sums). accs[i] [group, D]
-    accumulates head h0 + i (in even/odd order on the word tiles until the end); stats is the worker's scratch:
-    row 0 the block max, rows 1 + 2i and 2 + 2i head h0 + i's running max and sum."""
+    not come from vdpbf16ps (unscaled and in even/odd order on the word tiles, which scale their sums). accs[i]
+    [group, D] accumulates head h0 + i (in even/odd order on the word tiles until the end); stats is the worker's
+    scratch: row 0 the block max, rows 1 + 2i and 2 + 2i head h0 + i's running max and sum."""
     prefer_wide_vectors()
     group, dim = accs.shape[1], accs.shape[2]
     num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
@@ -225,8 +202,7 @@ def worker_scratch(num_workers, block_size, group, num_kv_heads):
 
 @njit(nogil=True, cache=True)
 def worker_queries(num_workers, num_q_heads, dim):
-    """Per worker: its item's queries, widened and scaled [Hq, D] (C-contiguous, so the dot products
-    vectorize)."""
+    """Per worker: its item's queries, widened and scaled [Hq, D] (C-contiguous, so the dot products vectorize)."""
     return np.empty((num_workers, num_q_heads, dim), np.float32)
 
 

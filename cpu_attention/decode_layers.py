@@ -57,20 +57,18 @@ def decode_layers(gates, flags, q, k_new, v_new, pools, slots, block_tables, con
     q [L, rows, Hq, D], k_new/v_new [L, rows, Hkv, D] in the caches' element type (rows >= batch, only the first
     batch are read); pools [L, 2, num_blocks, Hkv, block_size, D] (K then V of each layer); slots int64 [batch];
     block_tables/context_lens as decode_kernel's, with the new token counted; out float32 [L, rows, Hq, D]
-    (the device rounds it); lse float32 [L, rows, Hq], each layer's log-sum-exp (merged with a split row's device part). flags int64 [2]: the loop sets flags[0] once it
-    runs (without the GIL); flags[1] != 0 from the lane abandons a step whose device never hands a layer over.
+    (the device rounds it); lse float32 [L, rows, Hq], each layer's log-sum-exp (merged with a split row's device
+    part). flags int64 [2]: the loop sets flags[0] once it runs (without the GIL); flags[1] != 0 from the lane
+    abandons a step whose device never hands a layer over.
     times int64 [L + 1, 2]: cycle counts, row 0 the entry (twice), row l + 1 when layer l's gate 0 was seen open
     and when its gate 1 was opened: the device's turnaround between layers against the host's work on each.
     It never returns before its last gate is open (layer_loop.py says why). Maps the kernel refuses open every
     gate and return the error before any work, so the device's step still ends (its output is thrown away).
 
-    One parallel region spans the whole step: num_threads workers wait on each layer's gate 0 together and take
-    its items from shared counters, and a phase starts once the tally of the one before is complete. A region
-    per layer (decode_kernel's two) cost ~1 ms a layer on the GPU hosts, whatever the context: once torch has
-    started an OpenMP team of its own in the process, libgomp counts more threads than cores and lets idle
-    workers spin only ~100 times before they sleep, so every region woke 13 sleeping threads (an empty region:
-    2 us -> 67 us on 2 cores). Waiting on tallies, not on each other, keeps it correct with fewer threads than
-    num_threads: a worker that comes late finds its layers done.
+    One parallel region for the step (docs/decisions/host-kernel.md, "One parallel region per host step"): the
+    workers wait on each layer's gate 0 together, take its items from shared counters, and start a phase once the
+    tally of the one before is complete. Waiting on tallies, not on each other, keeps it correct with fewer threads
+    than num_threads: a worker that comes late finds its layers done.
     """
     store_release(flags, 0, 1)
     times[0, 0] = times[0, 1] = cycle_counter()

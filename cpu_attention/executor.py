@@ -1,10 +1,8 @@
 """The host tier's worker: one thread that runs every CPU attention call, in submission order.
 
-Why one thread: numba's parallel kernels fan out over its own thread pool, and its `workqueue` threading
-layer aborts the process when two threads launch parallel work at once (the OpenMP and TBB layers are
-thread-safe, but which one numba picks depends on the host). One worker serializes every launch whatever the
-layer, and keeps a layer's K/V write ordered before the decode that reads it. The kernels release the GIL,
-so the engine's main thread keeps driving the GPU meanwhile.
+One thread because numba's `workqueue` threading layer aborts the process when two threads launch parallel work at
+once (which layer numba picks depends on the host); it also keeps a layer's K/V write ordered before the decode
+that reads it. The kernels release the GIL, so the engine's main thread keeps driving the GPU meanwhile.
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -22,13 +20,11 @@ class CpuAttentionExecutor:
     """submit(fn, *args, **kwargs) -> Future on the single worker thread "cpu-attention"."""
 
     def __init__(self, num_threads: int | None = None, warm: bool = True, dtypes: tuple = CACHE_DTYPES):
-        """num_threads: numba threads for the kernels; by default all cores but two, which stay free for the
-        engine's two Python threads: the main thread keeps launching device-lane steps while the host kernel
-        runs, the host-lane thread launches the host tier's steps, and a kernel thread that loses its core to
-        either holds up the whole kernel. warm: compile (or load from numba's on-disk cache)
-        the kernels for `dtypes` (the caches' element types in use) on the worker now, ahead of the first step.
-        A first-ever compile costs ~18 s per dtype on the GPU host (the parallel decode kernel), so the engine
-        asks for its own dtype only and starts this before it loads the weights."""
+        """num_threads: numba threads for the kernels; by default all cores but two (host_threads). warm: compile
+        (or load from numba's on-disk cache) the kernels for `dtypes` (the caches' element types in use) on the
+        worker now: a first-ever compile takes tens of seconds a dtype, so the engine asks for its own dtype only
+        and starts this before it loads the weights (docs/decisions/host-kernel.md, "One executor thread, all
+        cores but two")."""
         cores = numba.config.NUMBA_NUM_THREADS
         if num_threads is None:
             num_threads = host_threads()
@@ -65,8 +61,9 @@ class CpuAttentionExecutor:
 
 
 def host_threads(ranks: int = 1) -> int:
-    """Kernel threads of one executor: all cores but two (see CpuAttentionExecutor), split evenly between the
-    executors of `ranks` tensor-parallel ranks on this host, each of which holds its share of the KV heads."""
+    """Kernel threads of one executor: all cores but two, split evenly between the executors of `ranks`
+    tensor-parallel ranks on this host. The two stay free for the engine's main and host-lane threads: a kernel
+    thread that loses its core to either holds up the whole kernel."""
     return max(1, (numba.config.NUMBA_NUM_THREADS - 2) // ranks)
 
 

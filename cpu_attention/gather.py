@@ -1,15 +1,11 @@
 """Block copies between a host cache and a packed buffer, on numba's threads.
 
-gather_blocks: chosen blocks of the cache into a packed buffer (prefix staging for prefill, promotion).
-scatter_blocks: a packed buffer into chosen blocks of the cache (demotion from the device pool).
-
-Layout: any [num_blocks, ...] contiguous cache; the buffer [len(block_ids), ...] contiguous, same dtype.
-Blocks are copied as bit patterns (no widening), in parallel over blocks.
-
-Why not torch.index_select: a multi-threaded torch CPU op on the engine's thread starts torch's own OpenMP
-team beside numba's, and on the 16-core GPU host that halved the decode kernel's speed for the rest of the
-process (measured: 76 ms -> 165 ms of kernel time per Qwen3-0.6B step, benchmarks/profile_host_tier.py).
-Keeping every bulk host copy on numba's pool, on the executor thread, avoids the second team.
+gather_blocks: chosen blocks of the cache into a packed buffer (prefix staging for prefill, staged promotion).
+scatter_blocks: a packed buffer into chosen blocks of the cache (staged demotion from the device pool).
+Layout: any [num_blocks, ...] contiguous cache; the buffer [len(block_ids), ...] contiguous, same dtype. Blocks
+are copied as bit patterns (no widening), in parallel over blocks. Not torch.index_select: a multi-threaded torch
+CPU op on the engine's thread starts torch's OpenMP team beside numba's and slows the decode kernel for the rest
+of the process (docs/decisions/host-kernel.md, "Bulk host copies on numba's threads").
 """
 import torch
 from numba import njit, prange

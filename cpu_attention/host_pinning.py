@@ -1,16 +1,9 @@
 """Page-locks a host range for the GPU's copy engines: in chunks, on worker threads, through the driver API.
 
-Why the driver API (libcuda through ctypes) and not `torch.cuda.cudart().cudaHostRegister`: a failed runtime
-call leaves its error in the calling thread's "last error" slot, and torch reports it at that thread's next
-kernel launch, as if the launch had failed. Measured 2026-11-22: after one failed registration every later
-engine in the process died with "part or all of the requested memory range is already mapped". Driver calls
-return their error and leave nothing behind, and the registrations run on threads of their own besides.
-
-Why chunks on several threads: registering a range faults in and locks every page of it, one page at a time
-inside one call (17.6 s for 32 GiB on the H100 host). Chunks of one range can be registered at once, and the
-engine starts them before it loads the weights, so the two overlap.
-
-A failure unregisters every chunk that had succeeded and names the CUDA error.
+Not `cudaHostRegister` through torch: a failed runtime call leaves its error for torch to report at the thread's
+next kernel launch, where a driver call (libcuda through ctypes) returns it and leaves nothing behind. Chunks on
+several threads, because one call locks its range page by page. A failure unregisters every chunk that had
+succeeded and names the CUDA error (docs/decisions/host-kernel.md, "Pinning through the driver API, in chunks").
 """
 import ctypes
 import os

@@ -17,12 +17,8 @@ def host_has_bf16_dot() -> bool:
 
 def _use_bf16_dot() -> bool:
     """Whether bfloat16 caches take the vdpbf16ps path: only where OFFLOAD_ENGINE_BF16_DOT=1 and the CPU has it.
-
-    Widening is the default. Since an item takes all of a block's kv heads (41aa389), widening led inside the host
-    lane, the engine's path, in same-run comparisons on three calls on the H100 host's Xeon (decode_layers,
-    36 x 32 x 2,048, Hq 32, of the read ceiling: 0.88 against 0.73 / 0.68, 0.71 against 0.65 / 0.49, 0.83 against
-    0.71, where widening's repeat read 0.68). decode_kernel alone over 1 x 128k is a draw within the hosts' noise (benchmarks/
-    NOTES.md, 2026-11-23). vdpbf16ps had led by 0-21% in the lane with one kv head an item."""
+    Off by default: with items of whole block-heads, widening led it inside the host lane, and the word tiles beat
+    widening (docs/decisions/host-kernel.md, "vdpbf16ps, off by default")."""
     return os.environ.get("OFFLOAD_ENGINE_BF16_DOT", "0") == "1" and host_has_bf16_dot()
 
 

@@ -1,22 +1,11 @@
 """The host KV tier's memory: per-layer head-major K and V tensors in one mapping, pinned when CUDA is present.
 
-Layout `[num_blocks, Hkv, block_size, D]`: one (block, head) is one contiguous run of block_size * D values
-that a host thread streams (see decode.py). Pinned memory cannot be swapped out, so the pool is sized
-against what the host can spare (`psutil`), never more; a request beyond that is refused up front.
-
-Every layer's K and V are views into one anonymous mapping, advised to use transparent huge pages: a 2 MiB
-page faults in and page-locks in one go where a 4 KiB page takes 512, and one range pins in chunks on
-several threads (host_pinning.py). Pinning starts when the pool is made and runs while the engine loads its
-weights; `wait_pinned()` joins it. The pool is usable before that: nothing copies into it by DMA until the
-engine's first step.
-
-Where the device can address registered host memory by its host pointer (every 64-bit Linux CUDA host with
-unified addressing), `device_stacked()` gives the same memory as a CUDA tensor: kernels read and write it over PCIe
-with no copy staged on the host (promotion and demotion, kv_promotion.py and kv_demotion.py).
-
-Release order matters: the registration must go before the memory does, or the next mapping at the same
-address cannot be pinned. `close()` unpins at once, and a finalizer does the same if the pool is dropped
-unclosed; the mapping itself is freed only when the last view of it is gone.
+Layout `[num_blocks, Hkv, block_size, D]`. Pinned memory cannot be swapped out, so the pool is sized against what
+the host can spare (`psutil`). The mapping asks for transparent huge pages (a 2 MiB page faults in and locks in one
+go) and pins in chunks on threads (host_pinning.py) until `wait_pinned()`; nothing copies into it by DMA before the
+engine's first step. `device_stacked()` is the same memory as a CUDA tensor, read and written over PCIe by
+kernels. Release order: the registration goes before the memory, or the next mapping at that address cannot be
+pinned; `close()` (or a finalizer) unpins at once, and the mapping is freed with its last view.
 """
 import math
 import mmap

@@ -1,15 +1,11 @@
 """A whole host-lane decode step on the executor: `decode_layers` runs each layer as the device hands it over.
 
-The device side is one CUDA graph per batch size (engine/graphs/host_step_graphs.py). Per layer it copies q and the new
-K/V into pinned host buffers, opens gate 0 of the layer, and waits on gate 1 before it copies the attention
-output back. This side runs every layer in one native call, without the GIL: a step costs two GIL hand-offs in
-all instead of several per layer on two threads.
-
-The rule that keeps it from deadlocking: while the device waits on a gate, whoever opens it must need nothing
-another thread can hold. The loop needs the GIL only to start and to return, so the device's graph may be
-launched only once the loop runs natively (`wait_running`), and the loop never hands the thread back before its
-last gate is open. Otherwise a thread that holds the GIL while it syncs on the GPU (torch's `.tolist()` does) can
-wait behind a gate on the same hardware queue while the loop waits for the GIL: the hang seen on the H100 host.
+The device side is one CUDA graph per batch size (engine/graphs/host_step_graphs.py): per layer it copies q and the
+new K/V into pinned buffers, opens gate 0, and waits on gate 1 before it copies the output back. This side runs
+every layer in one native call without the GIL. It cannot deadlock only if whoever opens a gate the device waits on
+needs nothing another thread can hold: the device's graph is launched only once the loop runs natively
+(`wait_running`), and the loop never hands the thread back before its last gate is open
+(docs/decisions/host-kernel.md, "The layer loop's gates and the GIL").
 """
 import threading
 import time
@@ -95,10 +91,9 @@ class LayerLoop:
         return self.done.result(timeout)
 
     def split_seconds(self) -> tuple[float, float]:
-        """(host work, waits for the device) of a finished step: the seconds between each layer's gate 0
-        opening and its gate 1 opening (stores, kernel, output), and the seconds from the entry or the last
-        layer's end until the next layer's gate 0 opened (the device's turnaround: its copies, gates and the
-        rows' device-side layers, queued among the device lane's work)."""
+        """(host work, waits for the device) of a finished step, in seconds: from each layer's gate 0 opening to
+        its gate 1 opening, and from the entry or the last layer's end to the next layer's gate 0 (the device's
+        turnaround: its copies, gates and the rows' device-side layers, queued among the device lane's work)."""
         done = self.times[1:, 1] > 0
         starts, ends = self.times[1:, 0][done], self.times[1:, 1][done]
         previous_ends = self.times[:-1, 1][done]

@@ -1,7 +1,5 @@
-"""LLVM instructions numba does not expose, as numba intrinsics: cache hints, atomics, the cycle counter.
-
-They take arrays and indices as numba sees them and compile to one or two instructions each; nothing here
-allocates or takes the GIL.
+"""LLVM instructions numba does not expose, as numba intrinsics: cache hints, atomics, the cycle counter. Each
+compiles to one or two instructions; nothing here allocates or takes the GIL.
 """
 import platform
 
@@ -48,13 +46,9 @@ def atomic_increment(typingctx, counters, index):
 
 @intrinsic
 def prefer_wide_vectors(typingctx):
-    """Lets LLVM vectorize the calling function's loops at the full AVX-512 width (16 float32 lanes).
-
-    LLVM tunes Intel's AVX-512 server cores (skylake-avx512 up to sapphirerapids) to prefer 256-bit vectors, so
-    every loop of this kernel came out at 8 lanes on the GPU hosts (Xeon, 2026-11-22), and the kernel was bound
-    by its arithmetic at half what the cores can do. The function attribute "prefer-vector-width"="512"
-    overrides that tuning for this function alone (and what it inlines); llvmlite's attribute set knows only
-    flag attributes, hence set.add. On CPUs without AVX-512 the attribute changes nothing."""
+    """Lets LLVM vectorize the calling function's loops (and what it inlines) at the full AVX-512 width, where its
+    tuning for Intel's AVX-512 server cores prefers 256 bits (docs/decisions/host-kernel.md, "Full AVX-512 width").
+    llvmlite's attribute set knows only flag attributes, hence set.add; without AVX-512 it changes nothing."""
 
     def codegen(context, builder, signature, args):
         set.add(builder.function.attributes, '"prefer-vector-width"="512"')
@@ -96,8 +90,8 @@ def store_release(typingctx, arr, index, value):
 
 @intrinsic
 def cycle_counter(typingctx):
-    """The CPU's cycle counter (rdtsc on x86; constant-rate on every x86 host this runs on): times the loop's
-    waits and kernels from inside the native call, where no Python clock can be read."""
+    """The CPU's cycle counter (rdtsc on x86, constant-rate): times the loop's waits and kernels from inside the
+    native call, where no Python clock can be read."""
 
     def codegen(context, builder, signature, args):
         fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.IntType(64), []),

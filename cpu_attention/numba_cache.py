@@ -1,16 +1,12 @@
 """numba's on-disk cache for kernels whose source spans several files of one package.
 
-numba stamps a cached function with the contents of its own file alone. A kernel inlines helpers from other
-files (block_attention.py, the tiles, llvm_ops.py), so after one of those changed, numba would load the old
-machine code from its cache. cache_across_files(package) stamps every cached function of that package with all
-of the package's .py files, so an edit anywhere compiles its kernels again, and files the compiled code in a
-subdirectory named by `tag()`: the switches a kernel was compiled with (kernel_switches.cache_tag), so processes
-with other switches never load each other's kernels.
-
-numba has no public hook for this. The locator below sits first in the cache implementation's list of locator
-classes (`_CacheImpl._locator_classes` in numba 0.60, `CacheImpl._locator_classes` in 0.68), claims only the
-package's files, and leaves where the cache lives to the locator numba would have chosen (NUMBA_CACHE_DIR,
-__pycache__, or the user-wide directory).
+numba stamps a cached function with the contents of its own file alone, so after an edit to a helper that a kernel
+inlines from another file (block_attention.py, the tiles, llvm_ops.py) it would load stale machine code.
+cache_across_files(package) stamps every cached function of the package with all of its .py files, and files the
+compiled code in a subdirectory named by `tag()` (kernel_switches.cache_tag), so processes with other switches
+never load each other's kernels. numba has no public hook for this: the locator below sits first in the cache
+implementation's list of locator classes (`_CacheImpl._locator_classes` in numba 0.60, `CacheImpl._locator_classes`
+in 0.68), claims only the package's files, and leaves where the cache lives to the locator numba would have chosen.
 """
 import functools
 import hashlib

@@ -1,7 +1,5 @@
 """Element arithmetic the host kernels inline: 16-bit cache patterns widened to float32, and exp over scores.
-
-numba has neither bfloat16 nor float16, so both arrive as 16-bit patterns: bfloat16 as uint16, float16 as int16.
-The array's element type alone selects the widening, so one kernel source serves the three cache dtypes.
+bfloat16 arrives as uint16 and float16 as int16 patterns: the element type alone selects the widening.
 """
 import numpy as np
 from numba import njit, types
@@ -30,12 +28,9 @@ def _widen_impl(x):
 
 @njit(inline="always", fastmath=FASTMATH)
 def _half_to_float(h):
-    """float16 bits -> float32 with integer masks only (no per-element branch), so the loop vectorizes.
-
-    Normals rebias the exponent (15 -> 127) and move the mantissa up 13 bits; inf/nan keep an all-ones
-    exponent; zero and subnormals are m * 2**-24, exact in float32 and a normal float32 (immune to
-    flush-to-zero modes).
-    """
+    """float16 bits -> float32 with integer masks only (no per-element branch), so the loop vectorizes. Normals
+    rebias the exponent (15 -> 127); inf/nan keep an all-ones exponent; zero and subnormals are m * 2**-24, a
+    normal float32 (immune to flush-to-zero modes)."""
     sign = (h & np.uint32(0x8000)) << np.uint32(16)
     exponent = (h >> np.uint32(10)) & np.uint32(0x1F)
     mantissa = h & np.uint32(0x3FF)
@@ -51,12 +46,9 @@ def _half_to_float(h):
 
 @njit(inline="always", fastmath=FASTMATH)
 def exp_nonpositive(x):
-    """exp(x) for x <= 0 (a score minus its running max), vectorizable; relative error ~2e-7.
-
-    libm's expf is a scalar call per score and costs as much as the dot product; this is 2**(x*log2 e) as a
-    power of two from the exponent bits times a degree-6 polynomial on [-0.5, 0.5]. Results below 2**-126
-    clamp to 2**-126, which no sum that contains its own maximum (exp(0) = 1) can notice.
-    """
+    """exp(x) for x <= 0 (a score minus its running max), vectorizable, relative error ~2e-7: libm's expf is a
+    scalar call per score, as dear as the dot product. 2**(x*log2 e) as a power of two from the exponent bits times
+    a degree-6 polynomial on [-0.5, 0.5]; below 2**-126 it clamps there, which no sum holding exp(0) = 1 notices."""
     t = max(x * np.float32(1.4426950408889634), np.float32(-126.0))
     n = np.floor(t + np.float32(0.5))
     f = t - n

@@ -1,10 +1,9 @@
 """store_kvcache on the host: the new tokens' K/V rows into the head-major caches, in place.
 
-Layout: caches [num_blocks, Hkv, block_size, D]; token i with slot s = block * block_size + offset lands in
-cache[block, h, offset, :] for every kv head h (Hkv runs of D values, one per head-major run); slot -1 is
-skipped. Elements are copied as bit patterns of their width, never widened, so one compiled kernel per
-element size serves float32, bfloat16 and float16. A numba loop instead of torch indexing: no index tensors,
-no mask, nothing allocated per call, and it releases the GIL like the decode kernel it runs beside.
+Caches [num_blocks, Hkv, block_size, D]: token i with slot s = block * block_size + offset lands in
+cache[block, h, offset, :] for every kv head h; slot -1 is skipped. Elements are copied as bit patterns, so one
+compiled kernel per element size serves the three dtypes. A numba loop, not torch indexing: nothing allocated per
+call, and the GIL released, like the decode kernel it runs beside.
 """
 import numpy as np
 import torch
@@ -45,8 +44,9 @@ def _store_serial(key, value, k_cache, v_cache, slots):
 
 @njit(nogil=True, cache=True, parallel=True)
 def _store_parallel(key, value, k_cache, v_cache, slots):
-    """Prefill writes thousands of tokens a layer: one thread alone moved ~4 GB/s, far below host bandwidth.
-    Slots are distinct (each names one token's place), so tokens can be written by any thread."""
+    """Prefill writes thousands of tokens a layer, far more than one thread moves at host bandwidth
+    (docs/decisions/host-kernel.md, "Parallel host store"). Slots are distinct (each names one token's place), so
+    tokens can be written by any thread."""
     for i in prange(slots.shape[0]):
         if slots[i] >= 0:
             _store_token(key, value, k_cache, v_cache, i, slots[i])

@@ -1,8 +1,5 @@
-"""LLVM IR that the tile kernels (bf16_dot_tiles.py, word_tiles.py) are built from, and a vector max.
-
-Tiles work on addresses and row strides in bytes, not on arrays: numba increments and decrements an array
-argument's reference count around every call, atomically, on one cache line that every worker shares, and in
-the tiles' inner loops that made the vdpbf16ps path slower than widening.
+"""LLVM IR that the tile kernels (bf16_dot_tiles.py, word_tiles.py) are built from, and a vector max. Tiles take
+addresses and row strides in bytes, not arrays (docs/decisions/host-kernel.md, "Tiles on addresses").
 """
 import math
 
@@ -41,12 +38,9 @@ def splat(builder, value, count):
 
 def reduce_across(builder, vectors):
     """Sums each of n <16 x float> vectors (n a power of two <= 16) into one vector of 16 lanes: returns (vector,
-    owner), owner[lane] = which input's total the lane holds (every input owns at least one lane).
-
-    One horizontal sum per vector costs four shuffles and four adds, 64 of each for the 16 sums of a 4 x 4 tile,
-    more than its dot products. Here each step adds pairs of vectors after two shuffles that put the two halves
-    of every partial sum side by side, so the partial sums of two inputs share one vector: 15 adds and 30
-    shuffles for 16 inputs. Fewer inputs finish by folding the vector onto itself."""
+    owner), owner[lane] = which input's total the lane holds (every input owns at least one lane). Each step adds
+    pairs of vectors after two shuffles that put two inputs' partial sums side by side: 15 adds and 30 shuffles for
+    16 inputs, where one horizontal sum each takes 64 of each (more than a 4 x 4 tile's products)."""
     index = lambda values: ir.Constant(ir.VectorType(ir.IntType(32), 16), values)
     owners = [[k] * 16 for k in range(len(vectors))]
     half = 8
@@ -89,9 +83,8 @@ def store_sums(builder, intp, vectors, num_heads, num_rows, s_addr, s_step, scal
 
 @intrinsic
 def max_of(typingctx, address, count):
-    """The largest of `count` float32 values at `address` (count >= 1, none NaN): 16 lanes at a time, then a fold
-    across the lanes and the rest one by one. numba's max() does not vectorize as a reduction, and a scalar chain of
-    compares over a block's scores costs as much as a tile of its dot products."""
+    """The largest of `count` float32 values at `address` (count >= 1, none NaN), 16 lanes at a time: numba's max()
+    does not vectorize as a reduction, and a scalar chain of compares costs as much as a tile's dot products."""
     if not (isinstance(address, types.Integer) and isinstance(count, types.Integer)):
         return None
 

@@ -1,13 +1,10 @@
 """bfloat16 read as 32-bit words: a block's scores and its P x V, two values widened a lane.
 
-Widening value by value costs two instructions per 16 bfloat16 values (zero-extend, shift), and each (head, row)
-dot product ends in a horizontal sum of its own: on the GPU hosts' Xeons the arithmetic, not the memory, set
-the kernel's rate over one long sequence (benchmarks/NOTES.md, 2026-11-23). Loaded as 16 32-bit words, 32 values
-are one vector: shifted up 16 bits, each word's low half (the even value; x86 and ARM are little-endian) is its
-float32, and masked, the high half (the odd value) is. Two instructions per 32 values; the products and sums
-run on even and odd values apart, so queries and accumulators are held in that order within every stretch of
-32 (split_pairs, undone by join_pairs), and a tile's dot products are summed by one reduce_across. The
-products are the widening path's, exact in float32; only the order of the float32 sums differs.
+16 words are 32 values: shifted up 16 bits, each word's low half (the even value; little-endian) is its float32,
+and masked, the high half (the odd value) is: two instructions per 32 values, where widening takes two per 16
+(docs/decisions/host-kernel.md, "bfloat16 read as words"). Products and sums run on even and odd values apart, so
+queries and accumulators are held in that order within every stretch of 32 (split_pairs, undone by join_pairs).
+The products are the widening path's, exact in float32; only the order of the float32 sums differs.
 """
 from llvmlite import ir
 from numba import types
@@ -42,10 +39,8 @@ def _multiply_add(builder):
 def _word_scores_tile(num_heads, num_rows):
     """An intrinsic tile(q, q_row, k, k_row, scores, score_row, dim, scale), on addresses and row strides in bytes
     (ints): scores[i, j] = scale * q[i] . k[j] for i < num_heads, j < num_rows, where k holds bfloat16 patterns in
-    rows of `dim` (a multiple of WORD_VALUES) and q float32 queries in even/odd order (split_pairs).
-
-    Tiles of fewer than eight (head, row) pairs keep even and odd sums apart, so that at least eight chains of
-    multiply-adds are in flight."""
+    rows of `dim` (a multiple of WORD_VALUES) and q float32 queries in even/odd order (split_pairs). Tiles of fewer
+    than eight (head, row) pairs keep even and odd sums apart: at least eight multiply-add chains in flight."""
     apart = num_heads * num_rows < 8
 
     @intrinsic

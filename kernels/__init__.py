@@ -1,8 +1,8 @@
-"""Triton GPU kernels for the GPU KV tier (token-major `[num_blocks, block_size, Hkv, D]` caches), and the moves
+"""Triton GPU kernels for the device KV tier (token-major `[num_blocks, block_size, Hkv, D]` caches), and the moves
 of KV between it and the host tier's blocks (gather_host_blocks, scatter_host_blocks, write_host_blocks_whole).
 
-Each function follows the shared attention contract in DESIGN.md ("Kernel contracts") and stays launchable
-inside a CUDA graph: grids and tile choices depend on shapes only, never on tensor values.
+Each follows the attention contract of docs/design.md, "Kernel contracts", and stays launchable inside a CUDA
+graph: grids and tile choices depend on shapes only, never on tensor values.
 """
 from .host_block_copies import gather_host_blocks, scatter_host_blocks, write_host_blocks_whole
 from .merge_attn_states import merge_attn_states

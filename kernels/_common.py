@@ -43,11 +43,9 @@ def on_device(t: torch.Tensor):
 
 @triton.jit
 def dot(a, b, IEEE: tl.constexpr, UPCAST: tl.constexpr):
-    """tl.dot with float32 accumulation, exact fp32 products when IEEE.
-
-    The interpreter multiplies bfloat16 bit patterns as integers, so there (UPCAST) the operands are widened
-    first: bf16/fp16 products are exact in float32, so the numbers match the GPU's 16-bit tensor-core dot.
-    """
+    """tl.dot with float32 accumulation, exact fp32 products when IEEE. UPCAST (the interpreter, which multiplies
+    bfloat16 bit patterns as integers) widens the operands first: bf16/fp16 products are exact in float32, so the
+    numbers match the GPU's 16-bit tensor-core dot."""
     if UPCAST:
         result = tl.dot(a.to(tl.float32), b.to(tl.float32), input_precision="ieee")
     elif IEEE:

@@ -1,34 +1,21 @@
 """Moves of KV between the host tier's blocks and the device pool's token slots, run by the device.
 
-The host pool is head-major, `[L, 2, host_blocks, Hkv, host_block_size, D]`, and the device addresses it in place
-(a CUDA alias of the pinned memory, HostKVPool.device_stacked); the device pool is token-major,
-`[L, 2, slots, Hkv, D]` (its blocks flattened). Token t of a move sits in host block
-`blocks[rows[t] // host_block_size]` at offset `rows[t] % host_block_size`, and in device slot `slots[t]`, in
-every layer, K and V.
+Layout: the host pool is head-major `[L, 2, host_blocks, Hkv, host_block_size, D]`, addressed by the device in place
+(a CUDA alias of the pinned memory, HostKVPool.device_stacked); the device pool is token-major `[L, 2, slots, Hkv, D]`
+(its blocks flattened). Token t of a move sits in host block `blocks[rows[t] // host_block_size]` at offset
+`rows[t] % host_block_size`, and in device slot `slots[t]`, in every layer, K and V.
 - gather_host_blocks: host -> device, a promotion's KV into its new slots;
 - scatter_host_blocks: device -> host, a demotion's KV into its new host blocks (rows past a sequence's last token
   are left as they are: nothing reads a host block past its sequence's length, and the host lane writes the next
   tokens there);
 - write_host_blocks_whole: one layer's K and V of a prefill step -> whole host blocks of that layer (a host-tier
-  prompt's KV, layers/host_block_writes.py), padding rows zeroed. One launch a layer: the torch ops it replaced
-  (index_select, index_fill_, a transposing copy and index_copy_, for K and V, with their allocations and
-  record_stream) were ~14 calls a layer, most of the ~14 ms by which a 1,024-token host-tier prompt's prefill
-  outlasted a device-tier one's at the 0.6B shape, whose prefill step is launch-bound (16 ms, 3.3 of them on the
-  GPU; H100 host, 2026-11-24, benchmarks/probe_host_prefill.py --isolated).
-
-Why a kernel of its own, on few programs: the accesses cross PCIe, so each takes microseconds, and a copy that
-asks for every SM (torch's index_select, index_copy_) holds them all for the whole transfer. The device lane's
-step beside it then waits as long as the copy: a 632 MB promotion (8B, 4,352 tokens) lengthened a stand-in 5.4 ms
-step to 22.4 ms, as the engine's step traces showed (~17 ms a promotion). Measured with
-benchmarks/probe_promotion_overlap.py (H100 host, 2026-11-24):
-- reads: on 16 programs the same copy read 50.9 GB/s against index_select's 37.4 and the step beside it took
-  5.7-6.1 ms; 8 programs read 38 GB/s, 32 and more took SMs from the step again;
-- writes need fewer programs in flight (a write does not wait for its answer): 4 and 8 programs wrote 49-51 GB/s
-  with the step beside them at 5.5 ms, its time alone, where 16 programs wrote as fast but stretched the step to
-  10.7 ms and index_copy_ (40.8 GB/s) to 20.5 ms.
+  prompt's KV, layers/host_block_writes.py), padding rows zeroed; one launch a layer.
 
 Contract: blocks, rows and slots are int64 on the pools' device; writes only the named slots or host rows; no
-host sync.
+host sync. Every access crosses PCIe and waits microseconds, so the kernels run on few programs: enough accesses
+in flight to fill PCIe, few SMs taken from the device lane's step beside them (a copy on every SM, as torch's
+index_select and index_copy_, stalls that step for the whole transfer). Why these counts:
+docs/decisions/device-kernels.md, "Host-block copies on few programs".
 """
 import torch
 import triton
@@ -42,9 +29,9 @@ WRITE_PROGRAMS = 8
 TOKENS_PER_UNIT = 4  # a program's load: 4 tokens x Hkv x D (32 KiB at 8 x 128 bf16)
 
 
-# Token and unit counts change with every move: specialized on them (Triton keys on ==1 and %16), the kernel
-# compiled up to four times in the middle of a run, on the engine's thread (decode-heavy 8B at 3,296 blocks read
-# 0.99x gpu on its first process with the kernel, 1.04x with it compiled at start-up; H100 host, 2026-11-24).
+# Token and unit counts change with every move: specialized on them (Triton keys on == 1 and % 16), the kernel
+# would compile mid-run on the engine's thread (docs/decisions/device-kernels.md, "Host-block copies compiled at
+# start-up").
 @triton.jit(do_not_specialize=["num_tokens", "num_units"])
 def _copy_kernel(host, token_slots, blocks, rows, slots, num_tokens, num_units,
                  host_lk_stride, host_block_stride, slots_lk_stride,
@@ -74,12 +61,10 @@ def _copy_kernel(host, token_slots, blocks, rows, slots, num_tokens, num_units,
 
 
 def compile_host_block_copies(host_stacked: torch.Tensor, token_slots: torch.Tensor) -> None:
-    """Compiles both directions for these pools now and launches each once over no tokens (the engine's start-up),
-    so a run's first move neither compiles the kernel nor loads it: Triton loads a compiled kernel and builds its
-    launcher at the first launch, which `warmup` does not make. Compiled but not launched, the first demotion of a
-    machine's first run held the engine's thread 0.27-0.41 s (0.6B shape, 64 x (2048 + 256) at 2,304 blocks: 0.91x
-    gpu against 1.01x in the next process; H100 host, 2026-11-24, benchmarks/NOTES.md), though nothing compiled in
-    the run. A launch over no tokens reads and writes nothing."""
+    """Compiles both directions for these pools and launches each once over no tokens (it reads and writes
+    nothing), at the engine's start-up, so that a run's first move neither compiles the kernel nor loads it:
+    Triton loads a compiled kernel and builds its launcher at the first launch, which `warmup` does not make.
+    Why: docs/decisions/device-kernels.md, "Host-block copies compiled at start-up"."""
     index = torch.zeros(1, dtype=torch.int64, device=token_slots.device)
     for to_host in (False, True):
         _copy(host_stacked, token_slots, index, index[:0], index[:0], programs=1, to_host=to_host, launch_empty=True)
@@ -126,7 +111,7 @@ def _copy(host_stacked, token_slots, blocks, rows, slots, programs: int, to_host
             TOKENS=TOKENS_PER_UNIT, TO_HOST=to_host, num_warps=_warps(block_hd))
 
 
-# Strides unspecialized too: start-up compiles it on stand-ins (AttentionLayer.compile_staged_prefill).
+# Strides unspecialized too: start-up compiles it on stand-ins (layers/attention.py, Attention.compile_staged_prefill).
 @triton.jit(do_not_specialize=["num_units", "k_token_stride", "v_token_stride"])
 def _write_blocks_kernel(k, v, k_pool, v_pool, token_rows, targets, num_units, k_token_stride, v_token_stride,
                          NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HOST_BLOCK: tl.constexpr,

@@ -79,7 +79,7 @@ def merge_attn_states(out_a, lse_a, out_b, lse_b):
     out_b = out_b if out_b.stride(-1) == 1 else out_b.contiguous()
     block_d = next_power_of_2(head_dim)
     block_h = min(next_power_of_2(num_heads), max(1, 4096 // block_d))  # about 4K values per program
-    with on_device(out_a):  # Triton launches on the current device
+    with on_device(out_a):
         _merge_kernel[(num_tokens, triton.cdiv(num_heads, block_h))](
             out_a, lse_a, out_b, lse_b, out, lse, num_heads,
             out_a.stride(0), out_a.stride(1), lse_a.stride(0), lse_a.stride(1),

@@ -172,7 +172,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         part_lse = torch.empty(batch, num_q_heads, num_splits, dtype=torch.float32, device=q.device)
         part_strides = (part_out.stride(0), part_out.stride(1), part_out.stride(2),
                         part_lse.stride(0), part_lse.stride(1))
-    with on_device(q):  # Triton launches on the current device
+    with on_device(q):
         _decode_split_kernel[(num_kv_heads, num_splits, batch)](
             q, k_cache, v_cache, block_tables, context_lens, part_out, part_lse,
             exp2_scale(scale), num_splits,

@@ -97,7 +97,7 @@ def _prefill_kernel(
     positions = context - q_len + rows
 
     first = context - q_len + m_block * BLOCK_M  # position of the tile's first query
-    # Rows of the other KV tier arrive with context 0 (DESIGN.md's masked dual maps): their positions are
+    # Rows of the other KV tier arrive with context 0 (docs/design.md, "The dual maps"): their positions are
     # negative, they see no key, and the clamps keep both loops from walking a -1 block table.
     unmasked_end = tl.maximum((first + 1) // BLOCK_N * BLOCK_N, 0)  # keys every query of the tile sees
     end = tl.maximum(tl.minimum(context, first + BLOCK_M), 0)  # one past the last query's position
@@ -185,7 +185,7 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
     else:
         grid = (tiles.shape[0], num_q_heads, 1)
         tiles = tiles if tiles.is_contiguous() else tiles.contiguous()
-    with on_device(q):  # Triton launches on the current device
+    with on_device(q):
         _prefill_kernel[grid](
             q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, tiles if tiles is not None else cu_seqlens_q,
             out, lse, exp2_scale(scale),

@@ -1,9 +1,7 @@
 """rms_norm: RMSNorm of each row, with the residual added first where there is one, in one kernel.
 
-Unfused (layers/norm.py) the same computation is nine launches per call: add, cast, square, mean, add eps,
-rsqrt, multiply, cast back, multiply by the weight; a decode step of the 0.6B shape made 1,828 launches, most of
-them elementwise like these, and took 3.6 ms at batch 1 where its reads need 0.4 (H100 host, 2026-11-23,
-benchmarks/results/nvidia-h100-80gb-hbm3/decode_kernels_b1.json).
+Unfused (layers/norm.py) the same computation is nine launches per call (docs/decisions/device-kernels.md,
+"Fused norms, rotary and silu").
 
 Contract: x [rows, N] (rows may be strided; the last dimension has stride 1), residual the same shape or None,
 weight [N]. With a residual, s = x + residual rounded to x's dtype (as torch adds), and the new residual is s.

@@ -1,8 +1,7 @@
 """norm_rope: per-head RMSNorm (Qwen3's q_norm / k_norm, optional) and the rotary embedding, in one kernel.
 
-Unfused (layers/norm.py then layers/rotary.py) a layer's q and k take ~34 launches: each norm nine, the rotary
-embedding two gathers of cos/sin and, per tensor, a cast, four products, a sum, a difference, a concatenation and
-a cast back. Here each of q and k is one launch.
+One launch for each of q and k, where the unfused path (layers/norm.py then layers/rotary.py) takes ~34 a layer
+(docs/decisions/device-kernels.md, "Fused norms, rotary and silu").
 
 Contract: x [T, H, D] (any strides, the last 1; a slice of the fused qkv projection), positions [T] int,
 cos/sin float32 [max_position, D/2] (the rotate-half form: out = [x1*cos - x2*sin, x2*cos + x1*sin] for the
@@ -12,8 +11,7 @@ runs in float32 on that, as the unfused path does. One program per token and gro
 
 With `store` (KVStore: value [T, H, D], token-major caches [blocks, block_size, H, D], slot_mapping [T], -1 skips a
 token), the kernel for k also writes the rotated k and the value into the caches at each token's slot, as
-store_kvcache would: one launch per layer instead of two in a decode step (issue 12's "q/k RMSNorm + RoPE + KV
-store").
+store_kvcache would: one launch a layer instead of two in a decode step.
 """
 from typing import NamedTuple
 

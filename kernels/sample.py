@@ -2,10 +2,7 @@
 
 Sampling from softmax(x / T) is the argmax of x / T + G with G standard Gumbel noise (the exponential race
 argmax(p / E), E ~ Exp(1), in log space), so no softmax, sum or cumulative search is needed: every element is
-read once and only a running maximum is kept. The unfused sampler made four passes over the logits (softmax,
-the exponential draw, the division, the argmax); at 256 rows of a 151,936-token vocabulary that took ~0.85 ms of
-a 7.7 ms decode step, outside the step's CUDA graph (H100 host, 2026-11-23,
-benchmarks/results/nvidia-h100-80gb-hbm3/decode_kernels_graphs_b256.json).
+read once and only a running maximum is kept. Why one pass: docs/decisions/device-kernels.md, "One-pass sampler".
 
 Contract: logits [rows, V] (float32, bfloat16 or float16; the last dimension has stride 1), temperatures [rows]
 float32 (0: greedy, the row's argmax), keys [rows] int64. A row with temperature t > 0 draws

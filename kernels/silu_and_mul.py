@@ -1,7 +1,7 @@
 """silu_and_mul: SwiGLU's silu(gate) * up over a fused gate/up projection, in one kernel.
 
 Unfused (layers/activation.py) it is two launches per layer, silu then the product, with the silu result
-written out and read back in between.
+written out and read back in between (docs/decisions/device-kernels.md, "Fused norms, rotary and silu").
 
 Contract: x [rows, 2 * D] (the last dimension has stride 1), gate = x[:, :D], up = x[:, D:]. out [rows, D] in x's
 dtype: silu(gate) = gate / (1 + exp(-gate)) in float32, rounded to the dtype, then times up in float32, rounded

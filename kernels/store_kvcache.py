@@ -65,7 +65,7 @@ def store_kvcache(
     key = key if key.stride(-1) == 1 else key.contiguous()
     value = value if value.stride(-1) == 1 else value.contiguous()
     block_h, block_d = next_power_of_2(num_kv_heads), next_power_of_2(head_dim)
-    with on_device(key):  # Triton launches on the current device
+    with on_device(key):
         _store_kvcache_kernel[(key.shape[0],)](
             key, value, k_cache, v_cache, slot_mapping,
             key.stride(0), key.stride(1), value.stride(0), value.stride(1),
