@@ -77,9 +77,9 @@ class PrefillLane:
         return self.step is not None or bool(self.landing)
 
     def submit(self, rows: list[Sequence], decode_device_prefills: bool) -> None:
-        """Starts prompt chunks on the lane (the plan's prefill_elsewhere). decode_device_prefills: this step also
-        prefills rows on the decode device, which queue there behind the KV sent so far (a split row's device part
-        may hit it)."""
+        """Starts prompt chunks on the lane (the plan's prefill_elsewhere, which the plan marked in flight; they come
+        back in `take`). decode_device_prefills: this step also prefills rows on the decode device, which queue there
+        behind the KV sent so far (a split row's device part may hit it)."""
         if decode_device_prefills:
             self.handoff.order_decode_prefill()
         if not rows:
@@ -91,7 +91,6 @@ class PrefillLane:
             # Its registered blocks before the chunk: prefix hits (first chunk), or its own earlier chunks' blocks,
             # which the mirror holds already.
             self.handoff.fill(seq.block_table[: seq.num_hashed_blocks], pool, marks)
-            seq.in_flight = True
         written = [block for blocks in chunks.blocks for block in blocks]
         self.handoff.forget(written)
         self.step = (chunks, self.thread.submit(self._run, chunks, written, marks))

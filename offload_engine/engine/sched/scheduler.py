@@ -70,6 +70,8 @@ class Scheduler:
         prefill = [] if lanes.prefill_lane_computing else self.schedule_prefill()
         elsewhere = [s for s in prefill if lanes.prefill_lane and prefills_on_lane(s)]
         here = [s for s in prefill if not (lanes.prefill_lane and prefills_on_lane(s))]
+        for seq in elsewhere:
+            seq.in_flight = True  # on the prefill lane until it takes the row in: not this step's decode row
         if here:
             return StepPlan(tuple(moves), tuple(here), tuple(elsewhere))
         host_rows = [] if lanes.host_step_in_flight else self._host_rows_that_pay(lanes.hold_back_horizon)

@@ -51,12 +51,10 @@ def _count_lane_chunks(lane) -> dict[int, int]:
     """Counts, from now on, the prompt chunks each sequence runs on the lane."""
     chunks, submit = {}, lane.submit
 
-    def counting_submit(batch):
-        rest = submit(batch)
-        for seq in batch:
-            if seq not in rest:
-                chunks[seq.seq_id] = chunks.get(seq.seq_id, 0) + 1
-        return rest
+    def counting_submit(rows, decode_device_prefills):
+        submit(rows, decode_device_prefills)
+        for seq in rows:
+            chunks[seq.seq_id] = chunks.get(seq.seq_id, 0) + 1
 
     lane.submit = counting_submit
     return chunks

@@ -56,6 +56,21 @@ def test_with_a_prefill_lane_device_tier_prompts_go_there_and_the_step_decodes()
     prompt = _waiting(scheduler, 10)
     plan = scheduler.plan(LaneState(prefill_lane=True))
     assert plan.prefill_elsewhere == (prompt,) and not plan.is_prefill and plan.device_rows == (row,)
+    assert prompt.in_flight  # until the lane takes it in
+
+
+def test_a_prompts_last_token_on_the_prefill_lane_is_not_also_a_decode_row():
+    """A prompt whose prefix hit leaves one token to compute is decodable (Sequence.in_prefill is False), but that
+    token is prefilled on the lane this step: the row must not decode on the device in the same step."""
+    scheduler = _scheduler()
+    row = _decoding(scheduler, 6, 10, GPU)
+    earlier = _decoding(scheduler, 8, 10, GPU)  # two full blocks of tokens 0-7, registered for reuse
+    scheduler.blocks.register_computed_blocks(earlier)
+    scheduler.finish(earlier)
+    repeat = _waiting(scheduler, 9)  # tokens 0-8: a hit on both blocks, one token left to compute
+    plan = scheduler.plan(LaneState(prefill_lane=True))
+    assert plan.prefill_elsewhere == (repeat,) and repeat.num_scheduled_tokens == 1 and not repeat.in_prefill
+    assert plan.device_rows == (row,)
 
 
 def test_while_the_prefill_lane_computes_no_prompt_is_admitted():
