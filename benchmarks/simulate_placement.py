@@ -320,7 +320,7 @@ def format_line(result: dict) -> str:
 
 
 # --grid: ten shapes at 1/2, 1/4 and 1/8 of the batch's KV, equal and +-50% lengths, then the suite and the points
-# measured off it. Rules are checked here before a device run: min, mean and points below 0.97 (NOTES.md).
+# measured off it. Rules are checked here before a device run: min, mean and points below 0.97 (docs/decisions/placement.md).
 GRID_SHAPES = (("qwen3-0.6b", 64, 2048, 256), ("qwen3-0.6b", 32, 1024, 1024), ("qwen3-0.6b", 64, 512, 2048),
                ("qwen3-0.6b", 16, 4096, 1024), ("qwen3-8b", 32, 4096, 128), ("qwen3-8b", 64, 1024, 1024),
                ("qwen3-8b", 48, 2048, 512), ("qwen3-8b", 32, 4096, 512), ("qwen3-8b", 96, 1024, 1024),

@@ -1,7 +1,5 @@
-"""offload-engine: LLM inference with a GPU KV tier and a pinned-host KV tier.
-
-The public names load on first use, so that `import offload_engine` (and the torch-free policy modules under
-`offload_engine.engine.sched`) does not import torch.
+"""offload-engine: LLM inference with a GPU KV tier and a pinned-host KV tier. The public names load on first use,
+so that `import offload_engine` (and the torch-free `offload_engine.engine.sched`) does not import torch.
 """
 from offload_engine.engine.graphs.hardware_queues import widen_hardware_queues
 

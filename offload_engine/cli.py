@@ -70,8 +70,7 @@ def _run(args) -> bool:
 
 
 def _bench(args) -> bool:
-    """Runs the suite (benchmarks/bench_throughput.py) as its own program. It lives in the source checkout beside
-    the package, not in the package: the installed engine does not depend on it."""
+    """Runs benchmarks/bench_throughput.py as its own program: it lives in the source checkout, not the package."""
     root = Path(__file__).resolve().parent.parent
     if not (root / "benchmarks" / "bench_throughput.py").is_file():
         raise OSError(f"offload-engine bench runs the suite of a source checkout, and {root / 'benchmarks'} has none: "

@@ -82,7 +82,6 @@ class ModelConfig:
                                  f"use a tensor_parallel_size that divides it")
 
     def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Bytes of K and V that one token holds across all layers."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype.itemsize
 
 
@@ -98,7 +97,7 @@ def _rope_parameters(raw: dict) -> dict:
 
 @dataclass
 class EngineConfig:
-    """Everything `LLM(...)` accepts besides the model directory. `validate` raises ValueError on bad values."""
+    """What `LLM(...)` takes besides the model directory (see there); `validate` raises ValueError on bad values."""
 
     device: str | None = None
     dtype: str = "auto"
@@ -112,22 +111,15 @@ class EngineConfig:
     max_model_len: int | None = None
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 16384
-    # Tokens of one layer-major prefill step of a host-tier or split prompt (engine/runner/prefill_segment.py);
-    # None: as many as half the device memory free after start-up holds.
     prefill_segment_tokens: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
-    # Prefill steps of device-tier rows up to this many tokens replay CUDA graphs (engine/graphs/prefill_graphs.py), at
-    # most max_num_batched_tokens; 0: prefill runs eagerly. Their memory comes out of the KV pool's share.
     prefill_graph_tokens: int = 8192
-    # The device lane queues its next decode step before reading this one's tokens (engine/llm_engine.py).
     async_scheduling: bool = True
     enable_prefix_caching: bool = True
     attention_backend: str = "auto"
     seed: int = 0
-    # Ranks of tensor parallelism, one process per device (offload_engine/distributed/).
     tensor_parallel_size: int = 1
-    # Prefill/decode separation: prefill chunks run on this device, decode on `device` (None: both on `device`).
     prefill_device: str | None = None
 
     def validate(self) -> None:
@@ -187,7 +179,6 @@ class EngineConfig:
                              "e.g. device='cuda:1', prefill_device='cuda:0', or leave prefill_device=None")
 
     def _check_ranks(self) -> None:
-        """More ranks than GPUs: each rank owns one GPU, cuda:<first + rank>."""
         device, ranks = self.torch_device, self.tensor_parallel_size
         if device.type == "cuda" and _index(device) + ranks > torch.cuda.device_count():
             raise ValueError(f"tensor_parallel_size={ranks} from {self.device!r} needs GPUs {_index(device)}.."
@@ -214,7 +205,6 @@ def _check_device(name: str, value) -> None:
 
 
 def _index(device: torch.device) -> int:
-    """A CUDA device's index; a bare "cuda" means GPU 0 here, never whichever device is current."""
     return device.index or 0
 
 

@@ -1,6 +1,5 @@
 """`make run` / `offload-engine demo`: a batch of long prompts on the embedded tiny model, both KV tiers, then a
-greedy check against transformers' own `generate` on the same model directory. The weights are random, so the
-text means nothing; the check is what a newcomer can trust: greedy tokens equal transformers', on either tier.
+greedy check: with random weights the text means nothing, but greedy tokens must equal transformers' on either tier.
 """
 import time
 
@@ -10,9 +9,8 @@ from offload_engine.llm import LLM
 from offload_engine.sampling_params import SamplingParams
 from offload_engine.tiny_model import default_model_dir
 
-# Four requests: two fit the check's device pool and two go to the host tier. 256 prompt tokens span many
-# blocks on either tier (16 device blocks of 16, 4 host blocks of 64) and 32 new tokens are enough for a wrong
-# KV read to change some argmax; longer costs a 2-core CPU seconds on transformers' side and proves no more.
+# Two requests per tier; 256 prompt tokens span 16 device or 4 host blocks, and 32 new tokens let a wrong KV read
+# change some argmax. Longer costs a 2-core CPU seconds on transformers' side and proves no more.
 GREEDY_REQUESTS = 4
 GREEDY_PROMPT_LEN = 256
 GREEDY_MAX_TOKENS = 32
@@ -69,7 +67,6 @@ def _throughput(model_dir: str, device: str | None, num_requests: int, prompt_le
 
 
 def _greedy_check(model_dir: str, device: str | None, prompt_len: int, max_tokens: int) -> dict:
-    """Greedy requests through the engine (half on each tier) against transformers' float32 greedy generate."""
     # Without promotion a host-tier request decodes on the host tier to its last token, so the check covers it.
     with _half_on_device(model_dir, device, GREEDY_REQUESTS, prompt_len + max_tokens, kv_promotion=False) as llm:
         prompts = _random_prompts(GREEDY_REQUESTS, prompt_len, llm.model_config.vocab_size, seed=1)

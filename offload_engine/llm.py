@@ -24,14 +24,13 @@ class LLM:
                  tensor_parallel_size: int = 1, prefill_device: str | None = None, prefill_graph_tokens: int = 8192):
         """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing.
 
-        kv_placement: "gpu", "cpu" or "auto" (engine/sched/placement.py). kv_promotion (auto only): once the device
-        pool has room that no waiting request can take, host-tier sequences move their KV up and decode there.
-        prefill_segment_tokens: how many prompt tokens of a host-tier or split sequence one layer-major prefill
-        step takes (engine/runner/prefill_segment.py); None sizes it from the device memory left after start-up.
-        tensor_parallel_size: ranks, one process per device from `device` on (offload_engine/distributed/).
-        prefill_device: prefill/decode separation: prompts are prefilled there and decoded on `device`.
-        prefill_graph_tokens: prefill steps of device-tier rows up to this many tokens replay CUDA graphs
-        (engine/graphs/prefill_graphs.py); 0 runs prefill eagerly, as enforce_eager does.
+        kv_placement: "gpu", "cpu" or "auto". kv_promotion (auto only): once the device pool has room that no waiting
+        request can take, host-tier sequences move their KV up and decode there. prefill_segment_tokens: prompt tokens
+        of a host-tier or split sequence one layer-major prefill step takes; None sizes it from the device memory left
+        after start-up. tensor_parallel_size: ranks, one process per device from `device` on. prefill_device: prompts
+        are prefilled there and decoded on `device`. prefill_graph_tokens: prefill steps of device-tier rows up to this
+        many tokens (at most max_num_batched_tokens) replay CUDA graphs, whose memory comes out of the KV pool's share;
+        0 runs prefill eagerly. async_scheduling: the device lane queues its next step before reading this one's tokens.
         """
         model = model_dir if model_dir is not None else model
         if model is None:

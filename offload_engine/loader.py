@@ -1,6 +1,5 @@
-"""Builds a model from a Hugging Face directory. Weights come from safetensors only: never unpickled. Under tensor
-parallelism each rank reads only its own slice of each tensor (safetensors' get_slice), never a whole sharded one.
-"""
+"""Builds a model from a Hugging Face directory, from safetensors only (never unpickled). Under tensor parallelism
+each rank reads only its own slice of each tensor (safetensors' get_slice)."""
 import glob
 import json
 import os
@@ -80,8 +79,7 @@ def _copy_whole(param: torch.nn.Parameter, tensor: torch.Tensor) -> None:
 
 
 class _LazySlice:
-    """A checkpoint tensor not read yet: `.shape`, and `.narrow(dim, start, length)` reads just that part (of a
-    2-D weight or a 1-D bias), as a layer's load_weight asks for it."""
+    """A checkpoint tensor not read yet: `.shape`, and `.narrow(dim, start, length)` reads only that part."""
 
     def __init__(self, safe_slice):
         self.slice = safe_slice

@@ -5,11 +5,8 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How one request picks its tokens.
-
-    temperature=0 means greedy; top_k=-1 (or 0) and top_p=1 switch those filters off. A `seed` makes the
-    request's samples reproducible whatever else shares its batch.
-    """
+    """How one request picks its tokens. temperature=0 means greedy; top_k=-1 (or 0) and top_p=1 switch those filters
+    off. A `seed` makes the request's samples reproducible whatever else shares its batch."""
 
     temperature: float = 1.0
     top_p: float = 1.0

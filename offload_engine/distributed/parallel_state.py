@@ -1,11 +1,6 @@
-"""Which slice of the model this process holds (Partition), and the process groups its collectives go over.
-
-One group per engine lane: the two lanes call the runner from two threads at once, in an order that differs from run
-to run, while every rank must pair each collective with the same one of the other ranks. Each lane's calls reach every
-rank in one order (workers.py), so one lane's collectives pair up, never with the other lane's. A lane's caller names
-it for its thread (`lane`); `all_reduce` and `all_gather` take its group. One tensor-parallel engine per process at a
-time: torch.distributed keeps its groups per process.
-"""
+"""Which slice of the model this process holds (Partition), and the process groups its collectives go over: one per
+engine lane, so that one lane's collectives pair up across ranks, never with the other lane's. One tensor-parallel
+engine per process. Why: docs/decisions/multi-gpu.md, "One process group per lane, and the `after` count"."""
 import dataclasses
 import datetime
 import threading
@@ -31,12 +26,10 @@ class Partition:
         return count // self.size
 
     def start(self, count: int) -> int:
-        """Where this rank's part of `count` begins."""
         return self.rank * self.share(count)
 
     def local_shape(self, model_cfg):
-        """The model as one rank sees it (what the pools, kernels and graphs are sized from): its share of the heads,
-        KV heads and MLP. The vocabulary stays whole: every rank holds the full logits (layers/embedding.py)."""
+        """The model as this rank sees it (pools, kernels and graphs are sized from it); the vocabulary stays whole."""
         if self.size == 1:
             return model_cfg
         return dataclasses.replace(model_cfg, num_heads=self.share(model_cfg.num_heads),
@@ -47,11 +40,10 @@ class Partition:
 class _Groups:
     def __init__(self, backend: str, device: torch.device):
         self.backend, self.device = backend, device
-        # Every rank makes the same groups in the same order (new_group is collective). The device lane keeps the
-        # world group, so start-up (which runs as the device lane) and the device lane's steps share one order.
+        # new_group is collective: every rank makes the same groups in the same order. The device lane keeps WORLD,
+        # so start-up (which runs as the device lane) and the device lane's steps share one order.
         self.lanes = {"device": dist.group.WORLD, "host": dist.new_group(backend=backend)}
-        # NCCL makes a communicator (and its device buffers) at a group's first collective: both now, before the
-        # device pool is sized from the memory left, not at the host lane's first step.
+        # NCCL makes a communicator's buffers at its first collective: now, before the device pool is sized.
         for group in self.lanes.values():
             dist.all_reduce(torch.zeros(1, device=device), group=group)
 
@@ -61,8 +53,7 @@ _thread = threading.local()  # .lane: the lane whose call this thread is running
 
 
 def init(rank: int, size: int, device: torch.device, store_path: str) -> None:
-    """Joins the engine's ranks: NCCL on GPUs, gloo on the CPU. The rendezvous is a file in a directory the engine
-    made for itself (no port to pick, nothing shared with another engine)."""
+    """Joins the engine's ranks: NCCL on GPUs, gloo on the CPU; they meet at the file store_path."""
     global _groups
     if dist.is_initialized():
         raise ValueError("torch.distributed is already initialized in this process (another tensor-parallel engine, "

@@ -1,12 +1,6 @@
-"""Rank 0's runner under tensor parallelism: ModelRunner's interface to the engine, each call mirrored to the workers.
-
-The engine lives on rank 0 alone. Each call that changes a rank's state (a step, a move, a drain) goes to every worker
-on its lane's channel, then runs on rank 0's ModelRunner under that lane's process group. Every rank samples the same
-ids (layers/embedding.py), so rank 0's result is everyone's and workers send back only failures; read-only state is
-rank 0's. Limits: every rank runs eagerly, with no CUDA graphs (docs/decisions/multi-gpu.md, "TP ranks run eagerly
-today"); one TP engine per process, none beside a process group of the caller's; no prefill_device (config.py refuses
-it); after any failure every later call raises, and the LLM must be made anew.
-"""
+"""Rank 0's runner under tensor parallelism: each call that changes a rank's state goes to every worker on its lane's
+channel, then runs on rank 0's ModelRunner; rank 0's result is everyone's. After any failure every later call raises
+(docs/design.md, "More than one GPU", with its limits)."""
 import torch.distributed as dist
 
 from offload_engine.distributed import parallel_state
@@ -52,7 +46,6 @@ class TensorParallelRunner:
             raise AttributeError(name)
         return getattr(runner, name)
 
-    # ---- the calls every rank makes ----------------------------------------------------------------------
     def prefill(self, seqs):
         return self._step("prefill", "device", seqs)
 
@@ -69,7 +62,6 @@ class TensorParallelRunner:
         self._mirror("device", Call("forget_device_step", (), self.finished["host"]), self.runner.forget_device_step)
 
     def _step(self, method: str, lane: str, seqs):
-        """One step of `lane` on every rank; rank 0's result."""
         return self._mirror(lane, Call(method, (pack_seqs(seqs),), self.finished[_other(lane)]),
                             lambda: getattr(self.runner, method)(seqs))
 
@@ -94,7 +86,6 @@ class TensorParallelRunner:
                      self.runner.drain_host_work)
 
     def _mirror(self, lane: str, call: Call, local):
-        """Sends the call to the workers, makes it on rank 0's runner, and returns rank 0's result."""
         if self.broken is not None:
             first = (str(self.broken).splitlines() or [""])[0]
             raise WorkerError(f"this tensor-parallel engine stopped after an error ({type(self.broken).__name__}: "

@@ -1,11 +1,6 @@
-"""Sequences as they cross to the workers: what a runner reads of them, as it was when rank 0 made the call.
-
-Only the tokens a worker computes now cross (from num_computed_tokens on); its copy holds zeros elsewhere, which nothing
-there reads. A token the device lane's step in flight sampled crosses as PENDING_TOKEN; each worker takes it from its
-own in-flight step. Everything crosses as JSON, never pickled: a worker builds only the types named here. On a worker
-each sequence is one object updated in place (SequenceMirror), as the persistent input batch keeps its rows' objects
-from step to step. Why: docs/decisions/multi-gpu.md, "The wire: JSON snapshots, only the tokens computed now".
-"""
+"""Sequences as they cross to the workers, as JSON, never pickled: a worker builds only the types named here. Only
+the tokens from num_computed_tokens on cross; the copy holds zeros before them, which nothing on a worker reads.
+Why: docs/decisions/multi-gpu.md, "The wire: JSON snapshots, only the tokens computed now"."""
 import dataclasses
 import json
 import threading

@@ -1,12 +1,7 @@
-"""A worker process: rank r (1..N-1) of a tensor-parallel engine, a ModelRunner that mirrors rank 0's calls.
-
-As on rank 0, one thread serves each lane's channel, in the order rank 0 made that lane's calls, under that lane's
-process group: a long host step never holds up the device lane. Each call carries `after`, the calls of the other
-lane rank 0 had finished when it made this one; the worker starts it only once it has finished as many itself
-(docs/decisions/multi-gpu.md, "One process group per lane, and the `after` count"). A failed call is reported to rank
-0 with its traceback and the process exits at once, which frees the other ranks' collectives with it. A worker whose
-parent has died exits too.
-"""
+"""A worker process: rank r (1..N-1), a ModelRunner mirroring rank 0's calls, one thread per lane so that a long host
+step never holds up the device lane; a call starts once the other lane has finished `after` calls. A failed call is
+reported to rank 0 and the process exits at once, which frees the other ranks' collectives; a worker whose parent
+has died exits too (docs/decisions/multi-gpu.md)."""
 import dataclasses
 import json
 import os
@@ -29,14 +24,13 @@ STOP = None  # sent on a lane's channel: no more calls on this lane
 
 @dataclasses.dataclass(frozen=True)
 class WorkerSpec:
-    """What every worker builds its runner from (rank 0's own arguments), and where the ranks meet. It crosses as
-    JSON (to_json / from_json); the worker reads the model's config from model_dir itself."""
+    """Rank 0's runner arguments and the rendezvous, as JSON; the worker reads the model's config from model_dir."""
 
     model_dir: str
     cfg: EngineConfig  # device = rank 0's
     dtype: torch.dtype
     max_model_len: int
-    store_path: str  # parallel_state.init's rendezvous file
+    store_path: str
 
     def device(self, rank: int) -> torch.device:
         """Rank r runs on cuda:<first + r> from device cuda:<first>, or on the CPU with every other rank."""
@@ -69,15 +63,11 @@ class _Reporter:
                 pass  # rank 0 is gone: nobody to tell
 
     def fail(self, where: str) -> None:
-        """Reports the exception being handled and ends the process (see the module's docstring)."""
         self.send("error", f"in {where}:\n{traceback.format_exc()}")
         os._exit(1)
 
 
 class _Mirror:
-    """What a worker does with each of rank 0's calls: its own runner's same call, on this rank's snapshot of the
-    sequences."""
-
     def __init__(self, runner):
         self.runner = runner
         self.seqs = SequenceMirror()
@@ -148,8 +138,6 @@ class _Mirror:
 
 
 def worker_main(rank: int, size: int, spec_json: str, lanes: dict[str, Connection], report: Connection) -> None:
-    """The process's whole life: join the ranks, build this rank's runner (its start-up collectives pair with
-    the other ranks'), serve both lanes until rank 0 stops them, then release everything."""
     reporter = _Reporter(report, rank)
     spec = WorkerSpec.from_json(spec_json)
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()

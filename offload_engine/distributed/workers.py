@@ -1,12 +1,6 @@
-"""Rank 0's handle on the worker processes: start them, send each lane's calls, hear of failures, stop them.
-
-Per worker: a pipe per lane carrying that lane's calls in order (and the answers to those that ask), and a report pipe
-(joining, stopped, failed). A watcher thread reads the reports and the processes' sentinels, records a failure at once
-and aborts NCCL's groups, so no collective of rank 0 waits for a rank that is gone. Every wait has a timeout. Workers
-are spawned and daemonic: a script that makes a TP LLM must guard its top level with `if __name__ == "__main__":`.
-Stop: both lanes get STOP; each worker closes its runner, says "stopped" and leaves the groups; rank 0 leaves once all
-have, then joins them, terminating (then killing) one that does not end in time.
-"""
+"""Rank 0's handle on the worker processes (docs/decisions/multi-gpu.md): per worker a pipe per lane (its calls in
+order, the answers to those that ask) and a report pipe a watcher thread reads. Every wait has a timeout. Workers are
+spawned: a script that makes a TP LLM must guard its top level with `if __name__ == "__main__":`."""
 import multiprocessing
 import os
 import json
@@ -26,8 +20,7 @@ START_TIMEOUT = 600.0  # seconds for a worker to import torch and reach the rend
 REPLY_TIMEOUT = 600.0  # for an answer: a drain may wait for host kernels of long sequences
 STOP_TIMEOUT = 60.0  # for a worker to release its pools and threads and exit
 BLAME_GRACE = 5.0  # a collective of rank 0 failed: this long for the failed worker's own report to arrive
-# NVLink multicast (NVLS) stays off on the GPU hosts (KINDS.md): NCCL, torch's symmetric memory and NVSHMEM would
-# otherwise set it up for every communicator. Set in rank 0's environment, which the workers inherit.
+# NVLink multicast (NVLS) stays off on the GPU hosts (KINDS.md); set in rank 0's environment, which workers inherit.
 MULTICAST_OFF = {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
 
@@ -74,7 +67,7 @@ class WorkerGroup:
         self.spec = WorkerSpec(**spec_args, store_path=os.path.join(self.store_dir, "rendezvous"))
         self.health = _Health()
         context = multiprocessing.get_context("spawn")
-        self.lanes = {lane: [] for lane in parallel_state.LANES}  # lane -> rank 0's end of each worker's channel
+        self.lanes = {lane: [] for lane in parallel_state.LANES}
         self.reports, self.processes = [], []
         self._wake_read, self._wake = context.Pipe(duplex=False)  # ends the watcher
         # Dropped unclosed (or half made), or at interpreter exit: the workers and the watcher still go.
@@ -104,7 +97,6 @@ class WorkerGroup:
         self.check()
 
     def check(self) -> None:
-        """Raises the first failure of a worker, if any."""
         error = self.health.error()
         if error is not None:
             raise error
@@ -118,7 +110,7 @@ class WorkerGroup:
         return self.health.error() or error
 
     def send(self, lane: str, call: Call | None) -> None:
-        data = encode_call(call)  # one snapshot for every worker
+        data = encode_call(call)
         for conn in self.lanes[lane]:
             conn.send_bytes(data)
 
@@ -190,8 +182,7 @@ def _how_it_ended(process) -> str:
 
 
 def _release(processes: list, store_dir: str, wake, patience: float) -> None:
-    """Joins the processes, giving them `patience` seconds in all to end by themselves before they are ended;
-    removes the rendezvous directory; ends the watcher."""
+    """Gives the processes `patience` s in all to end, then ends them; removes the rendezvous; ends the watcher."""
     deadline = time.monotonic() + patience
     for process in processes:
         process.join(max(0.0, deadline - time.monotonic()))

@@ -1,9 +1,6 @@
-"""Freezes the heap that start-up leaves out of the garbage collector's full scans while an engine is open.
-
-A full collection walks all of it, holding the engine's thread, and so the device lane, throughout
-(docs/decisions/memory.md, "The frozen GC heap"). Frozen objects are still freed by reference counting; only cycles
-among them wait until the last open engine closes. Freezing is process-wide: while any engine is open, cyclic
-garbage from before it opened is held too.
+"""Freezes the heap start-up leaves out of the garbage collector's full scans while any engine is open: a full
+collection holds the engine's thread throughout (docs/decisions/memory.md, "The frozen GC heap"). Process-wide;
+cycles among frozen objects wait until the last open engine closes.
 """
 import gc
 import threading

@@ -1,11 +1,6 @@
-"""The step loop: take in what the lanes brought back, plan the step, carry the plan out.
-
-Decode runs in two lanes: device-tier rows on the engine's thread, a step every few milliseconds, and host-tier rows
-on the host-lane thread, whose steps wait on the CPU attention kernel layer by layer; the device lane never waits for
-the host lane. The scheduler plans each step from a snapshot of the lanes (engine/sched/plan.py); this module carries
-plans out, times the lanes for LaneStats and takes results in. A row in flight in a lane is left alone until it is
-back. With async scheduling a device step's tokens are read after the next step is queued. With `prefill_device`,
-device-tier prompts prefill on a prefill lane (engine/disagg/). docs/design.md, "One engine step, two decode lanes".
+"""The step loop: take in what the lanes brought back, plan the step, carry the plan out, deciding nothing itself
+(docs/design.md, "One engine step, two decode lanes"). A row in flight in a lane is left alone until it is back; the
+device lane never waits for the host lane.
 """
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -39,9 +34,8 @@ class StepStats:
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, max_model_len: int, runner, scheduler: Scheduler, stats: LaneStats,
                  host_lane=None, prefill: PrefillLane | None = None, clock=time.perf_counter):
-        """An engine of parts that exist already (`load` makes them from a model directory; the placement replay,
-        benchmarks/simulate_placement.py, passes fakes for the runner, the host lane and the clock). runner: a
-        ModelRunner, or under tensor parallelism rank 0's runner, which drives the other ranks."""
+        """An engine of parts that exist already (`load` makes them; the placement replay passes fakes for the
+        runner, the host lane and the clock). runner: a ModelRunner, or under tensor parallelism rank 0's."""
         self.cfg, self.max_model_len = cfg, max_model_len
         self.runner, self.scheduler, self.blocks, self.stats = runner, scheduler, scheduler.blocks, stats
         self.host_lane = host_lane or ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-lane")
@@ -54,14 +48,13 @@ class LLMEngine:
         self.host_step_seconds = self.device_step_seconds = 0.0
         self.pending = None  # async scheduling: the device-lane step queued last, whose tokens are not read yet
         self.resolved_at = 0.0  # when the device lane's latest step was read: steps in a row are timed from it
-        self.decoded_by_lane = {"device": 0, "host": 0}  # tokens each lane decoded (benchmarks report the split)
+        self.decoded_by_lane = {"device": 0, "host": 0}
 
     @classmethod
     def load(cls, model_dir: str, model_cfg: ModelConfig, cfg: EngineConfig, dtype, max_model_len: int,
              eos_token_ids: tuple[int, ...]) -> "LLMEngine":
-        """The engine for a model directory: its runner (weights, both pools, graphs), the scheduler over the
-        pools the runner sized, and the prefill lane where `prefill_device` is set. A failed start leaves no
-        threads or pinned memory behind."""
+        """The engine for a model directory: runner, scheduler and, with `prefill_device`, the prefill lane. A failed
+        start leaves no threads or pinned memory behind."""
         runner = make_runner(model_dir, model_cfg, cfg, dtype, max_model_len)
         try:
             blocks = BlockManager(runner.num_gpu_blocks, cfg.block_size, runner.num_cpu_blocks, cfg.cpu_block_size,
@@ -107,9 +100,7 @@ class LLMEngine:
         return stats
 
     def _step(self) -> StepStats:
-        """One engine step: take in what came back (the host lane's step, promotions' copies, the prefill lane's
-        rows), plan, and carry the plan out: promotions, then a prefill step, or the host lane's step, the
-        demotions and a device-lane decode step beside it (or, without device rows, the plan's wait)."""
+        """One engine step: take in what came back, plan, and carry the plan out in StepPlan's order."""
         start = self.clock()
         finished, num_tokens = self._take_host_step(wait=False)
         self._land_promotions(wait=False)
@@ -138,7 +129,6 @@ class LLMEngine:
         return StepStats(False, num_tokens, self.clock() - start, finished)
 
     def _lane_state(self) -> LaneState:
-        """What the lanes have in flight now, and what the runner allows beside them: the plan's inputs."""
         runner = self.runner
         host_busy = self.in_flight is not None
         # Where a whole-step host loop holds the executor and a promotion needs it, promotions wait for the host step.
@@ -166,9 +156,8 @@ class LLMEngine:
         return StepStats(True, num_tokens, self.clock() - start, finished)
 
     def _device_decode_step(self, batch: list[Sequence], moved: tuple[int, float], copying: bool) -> list[Sequence]:
-        """Queues a device-lane decode step, then reads the one before it (the GPU has this one queued behind it);
-        without async scheduling, this one too. Returns the rows finished. `moved`: the tokens and engine-thread
-        seconds of this step's moves; a step beside KV copies is not timed as a quiet one."""
+        """Queues a device-lane decode step, then reads the one before it (without async scheduling, this one too);
+        returns the rows finished. `moved`: this step's moves' tokens and engine-thread seconds."""
         launched = self.runner.launch_device_decode(batch)
         self.scheduler.launched(launched.seqs)
         copying = copying or bool(self.promoting) or (self.prefill is not None and self.prefill.landing)
@@ -181,9 +170,8 @@ class LLMEngine:
         return finished
 
     def _wait(self, plan: StepPlan, progressed: bool) -> tuple[list[Sequence], int]:
-        """A step without device rows waits for what the plan says comes next, and returns the rows finished and
-        the tokens decoded. `progressed`: this step has already decoded tokens; if it has not and nothing is under
-        way, the scheduler is stuck."""
+        """Waits for what the plan says comes next -> (rows finished, tokens decoded). `progressed`: this step has
+        decoded tokens already; if not, and there is nothing to wait for, the scheduler is stuck."""
         self._start_host_step(plan.idle_host_rows)
         if plan.wait == Wait.DEVICE_STEP:
             return self._resolve_device_step(), 0
@@ -200,9 +188,8 @@ class LLMEngine:
         return [], 0
 
     def _resolve_device_step(self) -> list[Sequence]:
-        """Reads the device-lane step in flight, if any, and records its tokens; returns the rows it finished.
-        Its time is from the later of its launch and the previous step's read to now: back to back, one step's
-        share of the pipeline."""
+        """Reads the device-lane step in flight, if any; returns the rows it finished. Its time runs from the later
+        of its launch and the previous step's read: back to back, one step's share of the pipeline."""
         if self.pending is None:
             return []
         step, self.pending = self.pending, None
@@ -220,9 +207,7 @@ class LLMEngine:
 
     def _demote(self, plan: StepPlan) -> float:
         """Queues the demoted rows' copies before the step that reuses their device blocks; returns the engine
-        thread's seconds (LaneStats.move_done). Where the copy runs beside the device lane (ModelRunner.demote),
-        that step waits only for the first freed blocks' part, and the other old blocks stay out of use until the
-        whole copy has landed."""
+        thread's seconds. The old blocks other than the first freed stay held until the copy has landed."""
         if not plan.demotions:
             return 0.0
         began, pool = self.clock(), self.blocks.pool(BlockLocation.GPU)
@@ -234,9 +219,8 @@ class LLMEngine:
         return self.clock() - began
 
     def _promote(self, moves: tuple[Move, ...]) -> float:
-        """Starts the promotions' copies, a group of at most PROMOTION_GROUP_BYTES of KV (or one sequence) at a
-        time, and returns the engine thread's seconds. Where a copy lands later (LaneState.promotions_sit_out), its
-        rows sit out both lanes until then (_land_promotions)."""
+        """Starts the promotions' copies, in groups of at most PROMOTION_GROUP_BYTES (or one sequence); returns the
+        engine thread's seconds. A group's rows stay in flight until its copy lands (_land_promotions)."""
         if not moves:
             return 0.0
         began = self.clock()
@@ -246,14 +230,13 @@ class LLMEngine:
             landed, rows = self.runner.promote(group), [seq for seq, _ in group]
             if landed is None:
                 for seq in rows:
-                    seq.in_flight = False  # landed already
+                    seq.in_flight = False
             else:
                 self.promoting.append((landed, rows))
         return self.clock() - began
 
     def _land_promotions(self, wait: bool) -> None:
-        """Lets the promoted sequences whose copies have landed (with wait: all of them, once they have) decode
-        in the device lane."""
+        """Frees for the device lane the promoted rows whose copies have landed (with wait: all, once they have)."""
         pending = []
         for landed, rows in self.promoting:
             if wait:
@@ -294,11 +277,8 @@ class LLMEngine:
         return self.scheduler.postprocess(batch, future.result()), len(batch)
 
     def abort(self) -> None:
-        """Drops every request once generate() was interrupted (an error in either lane, a KeyboardInterrupt).
-        generate() is synchronous, so they are the interrupted call's own. The host lane and the executor are
-        let finish first: their kernels may still be reading or writing the pools. Then the queues and both
-        pools' bookkeeping start afresh (cached prefixes included) rather than being undone request by request,
-        because an interrupt can land anywhere in a step's bookkeeping."""
+        """Drops every request once generate() was interrupted, after what is in flight has finished; the queues and
+        both pools' bookkeeping start afresh, as an interrupt can land anywhere in a step's bookkeeping."""
         if self.in_flight is not None:
             self.in_flight[1].exception()  # waits for it; its outcome no longer matters
             self.in_flight = None

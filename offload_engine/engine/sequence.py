@@ -4,8 +4,7 @@ from itertools import count
 
 from offload_engine.sampling_params import SamplingParams
 
-# Async scheduling: the place of a token that a device step in flight has sampled and the host does not know yet
-# (Scheduler.launched puts it there, Scheduler.resolve replaces it).
+# Async scheduling: a token a device step in flight sampled, unknown on the host (Scheduler.launched, resolve).
 PENDING_TOKEN = -1
 
 
@@ -16,8 +15,6 @@ class SequenceStatus(Enum):
 
 
 class BlockLocation(Enum):
-    """The KV tier a sequence is placed on: the device pool or the pinned host pool."""
-
     GPU = "gpu"
     CPU = "cpu"
 
@@ -32,23 +29,21 @@ class Sequence:
         self.params = params
         self.budget = budget  # the most tokens it can ever hold: prompt + max_tokens, capped at max_model_len
         self.status = SequenceStatus.WAITING
-        self.location: BlockLocation | None = None  # where its KV lives now (engine/sched/placement.py decides)
+        self.location: BlockLocation | None = None
         self.admitted_to: BlockLocation | None = None  # the tier chosen at admission, kept for the output
-        self.promoted = False  # its KV moved from the host tier to the device pool (engine/tiers/kv_promotion.py)
-        self.demoted = False  # its KV moved from the device pool to the host tier (engine/tiers/kv_demotion.py)
+        self.promoted = False
+        self.demoted = False
         self.block_table: list[int] = []  # block ids in its tier's pool (a split sequence: its host part's)
-        # A split sequence (docs/design.md, "Sequences across both tiers") lives on the host tier with the KV of its
-        # first num_device_tokens tokens in these device blocks; block_table holds the rest, from that token on.
+        # A split sequence's first num_device_tokens tokens' KV (docs/design.md, "Sequences across both tiers").
         self.device_prefix: list[int] = []
         self.num_device_tokens = 0
         self.admitted_device_tokens = 0  # a split sequence's num_device_tokens at admission, for the output
         self.num_computed_tokens = 0  # tokens whose KV is in the cache
-        self.num_scheduled_tokens = 0  # tokens this step computes
+        self.num_scheduled_tokens = 0
         self.held_since: int | None = None  # the engine step it was first held so host rows move up first
         self.num_hashed_blocks = 0  # leading full blocks already registered for prefix reuse
         self.finish_reason: str | None = None
-        # In a host-lane decode step that has not come back yet, promoted with its KV still crossing (CUDA), or on
-        # the prefill lane (its chunk computing there, or its KV crossing to the decode device): not to be touched.
+        # In a host step, a promotion's copy or on the prefill lane, not back yet: the scheduler leaves it alone.
         self.in_flight = False
 
     def __len__(self) -> int:

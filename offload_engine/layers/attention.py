@@ -1,12 +1,6 @@
-"""The split attention layer (docs/design.md, "The split attention layer"): device-tier rows attend on the device,
-host-tier rows on the host.
-
-- K/V writes go to each token's own tier: `slot_mapping` into the device pool, `slot_mapping_cpu` into the host pool.
-- Decode: the host half is launched first (q crosses to the host, numba runs on host threads, nogil) and the device
-  half overlaps it; the host result crosses back and the two are merged by log-sum-exp.
-- Prefill always runs on the device. A host-tier row's cached prefix is staged from the host pool into a token-major
-  staging cache for the layer; nothing else of its KV moves (docs/decisions/host-prefill.md).
-"""
+"""The split attention layer (docs/design.md, "The split attention layer"; docs/decisions/host-prefill.md): each
+token's K/V goes to its own tier; decode runs the host half beside the device half and merges them by log-sum-exp;
+prefill always computes on the device, over a token-major staging cache for host-tier rows."""
 import time
 
 import torch
@@ -20,16 +14,14 @@ class Attention(nn.Module):
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim, self.scale = num_heads, num_kv_heads, head_dim, scale
-        # Bound by the model runner once the pools exist (see ModelRunner.bind_kv_caches).
+        # Bound by ModelRunner.bind_kv_caches.
         self.k_cache = self.v_cache = None  # device tier, token-major [blocks, block_size, Hkv, D]
         self.k_cache_cpu = self.v_cache_cpu = None  # host tier, head-major [blocks, Hkv, cpu_block_size, D]
-        self.backend = None  # the device tier's kernels (layers.attention_backends)
+        self.backend = None
         self.executor = None  # cpu_attention.CpuAttentionExecutor: the host tier's one worker thread
-        self.ring = None  # engine/tiers/pinned_ring.PinnedRing on CUDA: pinned staging for prefill traffic
-        self.copy_stream = None  # with the ring: where host-tier prefill K/V cross to it, beside the layer's compute
-        # The host tier as the device addresses it (mapped pinned pool; on the CPU the pool itself), or None: where
-        # host-tier prefill writes whole host blocks (layers/host_block_writes.py).
-        self.k_cache_mapped = self.v_cache_mapped = None
+        self.ring = None  # CUDA: a PinnedRing for host-tier prefill traffic, whose K/V cross on copy_stream
+        self.copy_stream = None
+        self.k_cache_mapped = self.v_cache_mapped = None  # the host pool as the device addresses it, or None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:
@@ -95,16 +87,13 @@ class Attention(nn.Module):
 
     def _write_host_tier(self, k, v, block_writes, token_indices: torch.Tensor | None, token_slots: torch.Tensor,
                          pending_writes: list) -> None:
-        """A prefill's host-tier K/V into the host pool: whole blocks by the device (block_writes), the other tokens
-        through the executor (their futures appended to pending_writes)."""
+        """Host-tier K/V to the host pool: whole blocks by the device, the rest by the executor (to pending_writes)."""
         if block_writes is not None:
             write_host_blocks(k, v, block_writes, self.k_cache_mapped, self.v_cache_mapped, self.copy_stream)
         if token_slots.numel():
             pending_writes.append(self._submit_host_write(k, v, token_indices, token_slots))
 
     def _submit_host_write(self, k, v, token_indices: torch.Tensor | None, token_slots: torch.Tensor):
-        """Queues the host-pool write of the tokens at token_indices (None: all of them) into host slots
-        token_slots, on the executor, behind their copy to the host; returns its future."""
         if token_indices is not None:
             k, v = k[token_indices], v[token_indices]
         (k_host, v_host), region, arrived = self._copies_to_ring(k, v)
@@ -121,10 +110,9 @@ class Attention(nn.Module):
         return write
 
     def _copies_to_ring(self, *tensors):
-        """Host copies of same-shaped device tensors, in one region of the pinned ring (on CUDA), their region,
-        and the event after which they have landed (None off CUDA). The copies run on their own stream, beside the
-        layer's compute (docs/decisions/host-prefill.md, "Host-tier K/V cross on a copy stream"); record_stream
-        keeps the allocator from handing the tensors' memory to later layers before the copies have read it."""
+        """Host copies of same-shaped device tensors in one pinned-ring region, that region, and the event after
+        which they have landed (None off CUDA). They copy on copy_stream, beside the layer's compute; record_stream
+        keeps the allocator from giving the tensors' memory to later layers before the copies have read it."""
         if self.ring is None:
             return [_to_host(t) for t in tensors], None, _record_event(tensors[0])
         staged, region = self.ring.take((len(tensors), *tensors[0].shape), tensors[0].dtype)
@@ -136,7 +124,6 @@ class Attention(nn.Module):
             return list(staged), region, _record_event(tensors[0])
 
     def _pinned_empty(self, shape: tuple[int, ...], dtype: torch.dtype):
-        """A host buffer for a copy to the device: a region of the pinned ring on CUDA, plain memory otherwise."""
         if self.ring is None:
             return torch.empty(shape, dtype=dtype), None
         return self.ring.take(shape, dtype)
@@ -153,9 +140,8 @@ class Attention(nn.Module):
         return staged
 
     def stage_segment(self, segment) -> list[torch.Tensor]:
-        """A layer's staging cache for a layer-major prefill segment (engine/runner/prefill_segment.py), in token
-        order: staging block j holds tokens [j * cpu_block_size, (j + 1) * cpu_block_size). The device part of a
-        split sequence and the host prefix are staged once; the chunks write their own K/V into it as they go."""
+        """A layer's staging cache for a layer-major prefill segment, in token order (block j: tokens from
+        j * cpu_block_size). A split row's device part and the host prefix are staged once; chunks add their K/V."""
         staged = []
         device = self.k_cache.device
         num_device = segment.num_device_part_blocks
@@ -168,8 +154,7 @@ class Attention(nn.Module):
         return staged
 
     def attend_segment_chunk(self, q, k, v, staged: list[torch.Tensor], chunk, pending_writes: list):
-        """One chunk of a layer-major segment: its K/V go to their own tier and into the layer's staging cache,
-        where its queries attend over the prefix and the segment's tokens up to their own."""
+        """One chunk of a segment: its K/V go to their tier and the staging cache, where its queries attend."""
         if chunk.has_device_tokens:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, chunk.device_slots)
         self._write_host_tier(k, v, chunk.block_writes, chunk.host_token_indices, chunk.host_token_slots,
@@ -208,10 +193,8 @@ class Attention(nn.Module):
         into[: parts.shape[0] * parts.shape[1] // block_size].copy_(parts.view(-1, *into.shape[1:]))
 
     def compile_staged_prefill(self) -> None:
-        """Runs the device kernels of a host-tier prefill once, on two tokens, so that their variants for the
-        staging cache (the host tier's block size, a Triton constexpr) and the whole-block host writes' kernel
-        compile at start-up, not in the first host-tier prefill (docs/decisions/host-prefill.md, "Staged-prefill
-        kernels compiled at start-up")."""
+        """Runs a host-tier prefill's device kernels once on two tokens (the staging cache's variants: the host block
+        size is a Triton constexpr; the whole-block host writes), so they compile at start-up, not in the first one."""
         _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
         device, dtype, tokens = self.k_cache.device, self.k_cache.dtype, 2
         q = torch.randn(tokens, self.num_heads, head_dim, device=device, dtype=dtype)
@@ -222,7 +205,7 @@ class Attention(nn.Module):
         out, lse = self.backend.paged_prefill_attention(q, *caches, as_int32([[0, 1]]), as_int32([0, tokens]),
                                                         as_int32([tokens]), self.scale, tokens)
         self.backend.merge_attn_states(out, lse, out, lse)
-        if self.k_cache_mapped is not None and k.is_cuda:  # the whole-block writes (layers/host_block_writes.py)
+        if self.k_cache_mapped is not None and k.is_cuda:
             from kernels.host_block_copies import write_host_blocks_whole
 
             pools = [torch.empty(1, num_kv_heads, block_size, head_dim, device=device, dtype=dtype) for _ in range(2)]

@@ -1,8 +1,6 @@
-"""The device tier's attention backends behind one interface: the kernel contract of docs/design.md ("Kernel
-contracts") on the token-major `[num_blocks, block_size, Hkv, D]` layout (store_kvcache, paged_decode_attention,
-paged_prefill_attention, merge_attn_states; attention returns (out, lse)). "torch" runs anywhere; "triton" is our
-own kernels (CUDA, or CPU tensors under TRITON_INTERPRET=1); "flash-attn" uses flash-attn's paged functions where its
-layout rules allow and our Triton kernels elsewhere.
+"""The device tier's attention backends behind one interface (docs/design.md, "Kernel contracts"), on the token-major
+`[num_blocks, block_size, Hkv, D]` layout. "torch" runs anywhere; "triton" is our own kernels (CUDA, or CPU tensors
+under TRITON_INTERPRET=1); "flash-attn" uses flash-attn's paged functions where its block size allows, Triton elsewhere.
 """
 import importlib.util
 import os
@@ -12,7 +10,7 @@ import torch
 
 from offload_engine.layers import torch_attention
 
-FLASH_ATTN_BLOCK_MULTIPLE = 256  # flash-attn's paged KV needs block sizes that are multiples of 256
+FLASH_ATTN_BLOCK_MULTIPLE = 256
 
 
 def flash_attn_available() -> bool:

@@ -1,10 +1,6 @@
-"""The token embedding and the LM head, vocab-parallel under tensor parallelism.
-
-Each rank holds one contiguous range of the vocabulary, padded to a multiple of the ranks (padding rows are zero and
-no id reaches them). The embedding looks up the ids in its range, zeroes the rest and sums over the ranks. The head
-gathers every range's logits, so every rank holds the same full logits and, with the same keys, samples the same
-ids: no token is sent between ranks, and the device lane's async scheduling works on every rank as it is. With one
-rank both are the plain lookup and projection.
+"""The token embedding and the LM head, vocab-parallel under tensor parallelism: each rank holds one contiguous
+vocabulary range, padded to a multiple of the ranks with zero rows no id reaches. The embedding sums the ranks'
+lookups; the head all-gathers the logits, so every rank samples the same ids and no token crosses between ranks.
 """
 import torch
 from torch import nn

@@ -1,7 +1,5 @@
-"""flash-attn behind our kernel contract (optional: only imported when flash_attn is installed).
-
-flash-attn reads the token-major paged layout directly; it needs block sizes that are multiples of 256, so
-caches with other block sizes (the staged CPU-tier prefixes) fall back to our Triton kernels.
+"""flash-attn behind our kernel contract, imported only where flash_attn is installed. It reads the token-major paged
+layout directly but needs block sizes that are multiples of 256: other caches (staged host prefixes) use Triton.
 """
 import torch
 from flash_attn import flash_attn_varlen_func, flash_attn_with_kvcache

@@ -1,14 +1,11 @@
-"""Whether the layers run the fused Triton kernels (kernels/rms_norm.py, rotary.py, silu_and_mul.py) on CUDA tensors.
-
-On by default. On the CPU the unfused torch path runs (the Triton interpreter would be far slower; CI tests the
-kernels themselves). Benchmarks switch it off to measure what fusing pays (bench_engine_step.py --unfused). It is
-read while a step runs, so CUDA graphs keep what it was when they were captured: set it before making an LLM.
+"""Whether the layers run the fused Triton kernels (kernels/rms_norm.py, rotary.py, silu_and_mul.py): by default on
+CUDA tensors (on the CPU the Triton interpreter would be far slower). Benchmarks switch them off to measure what fusing
+pays (bench_engine_step.py --unfused). CUDA graphs keep the value they were captured with: set it before making an LLM.
 """
 ENABLED = True
 # Kernels left out one by one ("rms_norm", "norm_rope", "silu_and_mul", "kv_store"): what each pays.
 DISABLED: set[str] = set()
-# Built and exact, but not yet shown on the device to pay: off unless a benchmark tries them (bench_engine_step.py
-# --try-kernels). Empty: docs/decisions/device-kernels.md, "The K/V store inside the rotation".
+# Built and exact but not yet shown to pay on the device: off unless in TRIED (bench_engine_step.py --try-kernels).
 UNMEASURED: frozenset[str] = frozenset()
 TRIED: set[str] = set()
 
@@ -18,8 +15,7 @@ def use_fused(x, kernel: str) -> bool:
 
 
 def stores_kv_ahead(meta, x, attn) -> bool:
-    """Whether this forward's device-tier K/V store runs in the k rotation's kernel (kernels.norm_rope with a
-    store) instead of in the attention layer: decode steps with device rows, on CUDA with both kernels on, once
-    the layer's pool is bound. One launch fewer per layer."""
+    """Whether this forward's device-tier K/V store runs in the k rotation's kernel (kernels.norm_rope with a store)
+    instead of in the attention layer: one launch fewer per layer."""
     return (use_fused(x, "norm_rope") and use_fused(x, "kv_store") and not meta.is_prefill and meta.has_gpu_rows
             and attn.k_cache is not None)

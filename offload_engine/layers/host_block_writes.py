@@ -1,12 +1,6 @@
-"""Host-tier prefill K/V written by the device straight into the pinned host pool, a whole host block at a time.
-
-Where the device addresses the pinned pool (HostKVPool.device_stacked), one kernel a layer
-(kernels.write_host_blocks_whole) writes the step's tokens across PCIe into head-major host blocks, on the
-prefill-writes stream, beside the next layers. Only blocks whose first token is in the step are written so: the rest
-of such a block holds no KV yet, so it is written whole, unused rows zeroed. Tokens of a block an earlier step began
-take the executor's path, so no KV already in the pool is overwritten. Readers wait for the step's event
-(HostPoolAccesses.wait_writes, after_prefill_writes). Why: docs/decisions/host-prefill.md, "The device writes whole
-host blocks"."""
+"""Host-tier prefill K/V written by the device straight into the pinned host pool, whole host blocks only (those whose
+first token is in the step, unused rows zeroed), so no KV already in the pool is overwritten; the other tokens take the
+executor's path. Why: docs/decisions/host-prefill.md, "The device writes whole host blocks"."""
 from dataclasses import dataclass
 
 import numpy as np
@@ -17,17 +11,14 @@ from kernels.host_block_copies import write_host_blocks_whole
 
 @dataclass
 class HostBlockWrites:
-    """A step's host blocks that the device writes whole: row r of block j is the step's token token_rows[j * block
-    size + r], or a zeroed padding row."""
-
-    token_rows: torch.Tensor  # device int64 [blocks * block_size]: the step's token (k/v row) per row, -1: padding
+    # Row r of block j holds the step's token token_rows[j * block_size + r]; -1: a zeroed padding row.
+    token_rows: torch.Tensor  # device int64 [blocks * block_size]
     targets: torch.Tensor  # device int64 [blocks]: host-pool block ids, in the order of token_rows
 
 
 def plan_host_block_writes(host_slots: np.ndarray, block_size: int) -> tuple[tuple | None, np.ndarray]:
-    """host_slots: the host-pool slot of each token of the step (-1: not host-tier). -> ((token_rows, targets) as
-    host arrays, or None where no block is written whole; the indices of the host-tier tokens left for the
-    executor's path)."""
+    """host_slots: each of the step's tokens' host-pool slot (-1: not host-tier) -> ((token_rows, targets) as host
+    arrays, or None where no block is written whole; the indices of the host-tier tokens left for the executor)."""
     tokens = np.flatnonzero(host_slots >= 0)
     slots = host_slots[tokens]
     blocks = slots // block_size
@@ -43,9 +34,8 @@ def plan_host_block_writes(host_slots: np.ndarray, block_size: int) -> tuple[tup
 
 def write_host_blocks(k: torch.Tensor, v: torch.Tensor, writes: HostBlockWrites, k_pool: torch.Tensor,
                       v_pool: torch.Tensor, stream=None) -> None:
-    """k/v [T, Hkv, D] of the step -> the whole blocks of `writes` in k_pool/v_pool [blocks, Hkv, block_size, D]
-    (the host pool as the device addresses it, or the host pool itself off CUDA). On CUDA one kernel a layer
-    (kernels.write_host_blocks_whole) on `stream`, which waits for the layer's stream first."""
+    """k/v [T, Hkv, D] -> the whole blocks of `writes` in k_pool/v_pool [blocks, Hkv, block_size, D] (the host pool as
+    the device addresses it; the pool itself off CUDA). On CUDA one kernel, on `stream` after the layer's stream."""
     if k.is_cuda:
         current = torch.cuda.current_stream(k.device)
         with torch.cuda.stream(stream or current):

@@ -1,12 +1,6 @@
-"""Linear layers: replicated, column-parallel (fused q/k/v and gate/up among them) and row-parallel.
-
-Fusing q/k/v (gate/up) makes one GEMM of three (two). Under tensor parallelism (tp: parallel_state.Partition) a
-column-parallel layer holds its rank's slice of the output features and its output stays split; a row-parallel layer
-takes that split input and sums the ranks' partial outputs with one all-reduce, adding the bias once, after it. A
-fused layer splits each part per rank, so a rank holds its own q, k and v heads side by side. With one rank every
-layer is the plain one: the same parameters, one F.linear call. `load_weight(param, tensor, shard)` copies this
-rank's part of the whole checkpoint tensor, or of a lazy slice that reads only what is narrowed (loader.py).
-"""
+"""Linear layers: replicated, column-parallel (fused q/k/v and gate/up among them: one GEMM) and row-parallel; with
+one rank (tp = Partition()) each is the plain layer. `load_weight(param, tensor, shard)` copies this rank's part of the
+whole checkpoint tensor, or of a lazy slice that reads only what is narrowed (loader.py)."""
 import torch
 from torch import nn
 
@@ -43,8 +37,8 @@ class ColumnParallelLinear(Linear):
 
 
 class FusedLinear(ColumnParallelLinear):
-    """One column-parallel layer holding several checkpoint projections stacked along the output dimension; each
-    rank holds its share of every part, in the parts' order."""
+    """Column-parallel over checkpoint projections stacked along the output; each rank holds its share of every
+    part, in the parts' order (its own q, k and v heads side by side)."""
 
     def __init__(self, in_features: int, shard_sizes: dict[str, int], bias: bool = False, tp: Partition = WHOLE):
         super().__init__(in_features, sum(shard_sizes.values()), bias, tp)
@@ -61,7 +55,7 @@ class FusedLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(Linear):
-    """Holds input features [rank * in / size, (rank + 1) * in / size) and sums the ranks' outputs."""
+    """Holds input features [rank * in / size, (rank + 1) * in / size); one all-reduce sums the ranks' outputs."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: Partition = WHOLE):
         super().__init__(tp.share(in_features), out_features, bias)
@@ -81,7 +75,6 @@ class RowParallelLinear(Linear):
 
 
 def _narrowed(tensor, whole: tuple, dim: int, start: int, length: int) -> torch.Tensor:
-    """tensor[start : start + length] along dim, once its whole shape is checked against the config's."""
     if tuple(tensor.shape) != tuple(whole):
         raise ValueError(f"has shape {tuple(tensor.shape)}, the config implies {tuple(whole)}")
     return tensor.narrow(dim, start, length)

@@ -1,9 +1,7 @@
-"""The uniforms Triton's `tl.rand(key, column)` draws, made in torch: the sampler's path where no Triton kernel
-runs (CPU tensors), and the reference its kernel is tested against.
-
-tl.rand runs Philox 4x32 for 10 rounds on the counter (column, 0, 0, 0) under the key (key's low 32 bits, high 32
-bits), takes the first word as a signed int32 x, and returns (x < 0 ? ~x : x) * 4.6566127342e-10 in float32.
-The 32-bit words live in int64 tensors here; every product is split so that nothing exceeds 63 bits.
+"""The uniforms Triton's `tl.rand(key, column)` draws, in torch: the sampler's path on CPU tensors, and the reference
+its kernel is tested against. tl.rand runs Philox 4x32-10 on the counter (column, 0, 0, 0) under the key (its low,
+high 32 bits), takes the first word as a signed int32 x, and returns (x < 0 ? ~x : x) * 4.6566127342e-10 in float32.
+The 32-bit words live in int64 tensors; every product is split so that nothing exceeds 63 bits.
 """
 import torch
 

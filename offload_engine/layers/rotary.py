@@ -31,9 +31,8 @@ class RotaryEmbedding(nn.Module):
 
     def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None,
                         store=None):
-        """q and k normalized per head (Qwen3's q_norm and k_norm, RMSNorm modules, or None) and rotated. On CUDA
-        one fused kernel per tensor (kernels/rotary.py) instead of ~17 launches each. store: a kernels.KVStore the
-        k kernel also writes k and v into (only given where layers.fused.stores_kv_ahead said so)."""
+        """q and k normalized per head (Qwen3's q_norm, k_norm; or None) and rotated, one kernel each on CUDA. store:
+        a kernels.KVStore the k kernel also writes k and v into (where layers.fused.stores_kv_ahead says so)."""
         if use_fused(q, "norm_rope"):
             from kernels import norm_rope
 

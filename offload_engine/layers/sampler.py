@@ -1,9 +1,7 @@
-"""Token sampling: greedy, temperature, top-k and top-p, in one pass over the logits (kernels/sample.py).
-
-A row at temperature t takes argmax(x / t + G), G Gumbel noise: an exact draw from softmax(x / t). Each row brings a
-64-bit key, and its uniforms are Philox's stream for it (layers/philox.py). A seeded request's key comes from its seed
-and its token's position, so its tokens do not depend on its batch, its prompt's chunking, its lane or CUDA graphs;
-other rows' keys come from the lane's generator. Top-k and top-p filter the scaled logits first (a sort).
+"""Token sampling: greedy, temperature, top-k and top-p, in one pass over the logits (kernels/sample.py). A row at
+temperature t takes argmax(x / t + G), G Gumbel noise from Philox under the row's 64-bit key: an exact draw from
+softmax(x / t). A seeded request's key comes from its seed and its token's position, so its tokens depend on neither
+batch, chunking, lane nor CUDA graphs. Top-k and top-p filter the scaled logits first (a sort).
 """
 from dataclasses import dataclass
 
@@ -18,8 +16,6 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 @dataclass
 class SamplingBatch:
-    """Per-row sampling settings for one step, on the logits' device."""
-
     temperatures: torch.Tensor | None  # [B] float32, 0 for greedy rows; None when every row is greedy
     keys: torch.Tensor | None  # [B] int64 Philox keys (sampling_keys)
     top_ks: torch.Tensor | None = None  # [B] int64, the vocabulary's size where off; only with needs_filter
@@ -32,8 +28,7 @@ class SamplingBatch:
 
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor | None = None) -> torch.Tensor:
-    """logits [B, V] -> token ids [B] int64 (written into `out` where given). No host syncs: it runs inside the
-    device lane's CUDA graphs."""
+    """logits [B, V] -> token ids [B] int64 (into `out` where given). No host syncs: it runs inside CUDA graphs."""
     if batch.all_greedy:
         return torch.argmax(logits, dim=-1, out=out) if out is not None else logits.argmax(dim=-1)
     temperatures = batch.temperatures
@@ -78,8 +73,7 @@ def _mix(x: np.ndarray) -> np.ndarray:
 
 
 def sampling_keys(seeds: list[int | None], positions: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Each row's Philox key, int64: from its request's seed and the position its token takes where the request
-    is seeded, otherwise a fresh draw from the lane's generator."""
+    """Each row's int64 Philox key: seeded rows' from seed and position, the others drawn from the lane's `rng`."""
     keys = rng.integers(np.iinfo(np.int64).min, np.iinfo(np.int64).max, size=len(seeds), dtype=np.int64,
                         endpoint=True)
     seeded = [row for row, seed in enumerate(seeds) if seed is not None]
@@ -92,8 +86,8 @@ def sampling_keys(seeds: list[int | None], positions: np.ndarray, rng: np.random
 
 
 def largest_sampling_step(rows: int, vocab: int, device: torch.device) -> tuple[torch.Tensor, SamplingBatch]:
-    """Random logits and settings for the sampler's most memory-hungry step: every row sampled through top-k
-    and top-p. The engine runs it at start-up to size and reserve the sampler's memory."""
+    """Logits and settings of the sampler's most memory-hungry step (every row through top-k and top-p), which
+    start-up runs to size and reserve the sampler's memory."""
     full = lambda value, dtype: torch.full((rows,), value, dtype=dtype, device=device)
     batch = SamplingBatch(temperatures=full(1.0, torch.float32), keys=torch.randint(0, 2**62, (rows,), device=device),
                           top_ks=full(50, torch.int64), top_ps=full(0.9, torch.float32), needs_filter=True)

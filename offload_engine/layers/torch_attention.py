@@ -1,8 +1,6 @@
-"""The plain torch attention path: the kernel contract of `kernels` and `cpu_attention`, on any device, on the
-device tier's token-major `[num_blocks, block_size, Hkv, D]` layout. Float32 with explicit masks, so stale or NaN
-slots past a context never leak into the result. It runs the engine in CI (device="cpu") and is the reference the
-Triton backend is checked against; it is not meant to be fast.
-"""
+"""The kernel contract in plain torch, on any device, on the token-major `[num_blocks, block_size, Hkv, D]` layout:
+the engine's path in CI (device="cpu") and the Triton backend's reference, not meant to be fast. Float32 with explicit
+masks, so stale or NaN slots past a context never leak into the result."""
 import math
 
 import torch

@@ -1,7 +1,5 @@
-"""The Llama decoder (Llama 2/3, and the base of Qwen2 and Qwen3: q/k/v biases; per-head q/k RMSNorm).
-
-Under tensor parallelism (tp: this rank's Partition) q/k/v and gate/up are column-parallel, o_proj and down_proj
-row-parallel (one all-reduce each), the embedding and the head vocab-parallel; norms and rotary are replicated.
+"""The Llama decoder (Llama 2/3, and the base of Qwen2 and Qwen3: q/k/v biases; per-head q/k RMSNorm). Under tensor
+parallelism (tp: this rank's Partition) the layers split as docs/design.md, "More than one GPU" says.
 """
 import torch
 from torch import nn
@@ -34,9 +32,8 @@ class LlamaSelfAttention(nn.Module):
         self.attn = Attention(self.num_heads, self.num_kv_heads, cfg.head_dim, scale=cfg.head_dim**-0.5)
 
     def project_qkv(self, positions: torch.Tensor, hidden: torch.Tensor, kv_slots: torch.Tensor | None = None):
-        """hidden [T, hidden] -> q [T, Hq, D], k/v [T, Hkv, D], normalized (Qwen3) and rotated. With kv_slots (a
-        decode step's device slot mapping: layers.fused.stores_kv_ahead) the rotation's kernel also stores k and v
-        in the layer's device pool."""
+        """hidden [T, hidden] -> q [T, Hq, D], k/v [T, Hkv, D], normalized (Qwen3) and rotated. kv_slots: the device
+        slots the rotation's kernel also stores k and v at (layers.fused.stores_kv_ahead)."""
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = self.qkv_proj(hidden).split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -72,7 +69,6 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def pre_attention(self, positions, hidden, residual, kv_slots=None):
-        """Norm (adding the residual) and q/k/v: everything of the layer before attention."""
         if residual is None:
             hidden, residual = self.input_layernorm(hidden), hidden
         else:
@@ -80,7 +76,6 @@ class LlamaDecoderLayer(nn.Module):
         return (*self.self_attn.project_qkv(positions, hidden, kv_slots), residual)
 
     def post_attention(self, attn_out, residual):
-        """o_proj, norm (adding the residual) and MLP: everything of the layer after attention."""
         hidden = self.self_attn.o_proj(attn_out.flatten(1))
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
@@ -98,9 +93,8 @@ class LlamaModel(nn.Module):
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    # The forward pass in segments that meet only at attention (`begin`, `between` each pair of layers, `end`):
-    # the decode CUDA graphs capture each segment and run attention, which may cross to the host tier, between the
-    # replays (engine/graphs/cuda_graphs.py). kv_slots: see project_qkv.
+    # The forward pass in segments that meet only at attention, so that graphs and layer-major prefill can put
+    # attention where they need it (docs/design.md, "The split attention layer"). kv_slots: see project_qkv.
     def begin(self, token_ids, positions, kv_slots=None):
         return self.layers[0].pre_attention(positions, self.embed_tokens(token_ids), None, kv_slots)
 

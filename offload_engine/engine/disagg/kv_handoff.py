@@ -1,12 +1,7 @@
-"""Copies KV blocks between the prefill device's mirror pool and the decode device's pool (prefill/decode separation).
-
-The mirror has the decode pool's blocks, block size and layout, so one block id names the same tokens' KV on both
-devices and one BlockManager serves both (docs/decisions/multi-gpu.md, "PD: a mirror pool, one block id on both
-devices"). `send`, after every prefill-lane step, takes the blocks its chunks wrote to the decode device; `fill`,
-before a prompt's first chunk, brings prefix hits whose KV the decode device made to the mirror. On CUDA a copy runs
-a group of layers at a time on a "handoff" stream of each device, so decode steps never queue behind it; ordering is
-by events, never by the current device. Sends run in order on one stream pair: a sequence whose final send has
-landed has all its earlier ones too.
+"""Copies KV blocks between the prefill device's mirror pool and the decode device's pool, on a "handoff" stream of
+each device so decode steps never queue behind them; ordered by events, never by the current device. Sends run in
+order on one stream pair: a sequence whose final send has landed has all its earlier ones too.
+Why: docs/decisions/multi-gpu.md, "PD: a mirror pool, one block id on both devices".
 """
 import contextlib
 
@@ -41,11 +36,9 @@ class KVHandoff:
         return [stream.record_event() for stream in self.decode_lanes]
 
     def send(self, block_ids: list[int], after: list) -> "torch.cuda.Event | None":
-        """Queues the copy of these mirror blocks into the decode pool, behind the lane's chunk that wrote them and
-        the decode-device work in `after` (decode_marks: a row freed there may still be written by an async step in
-        flight, a demotion may still read its old blocks). Per chunk, not per prompt: every block registered for
-        prefix reuse then holds its KV on the decode device once the sends so far have landed. Returns the event of
-        their landing (CUDA; called on the lane's thread), or None where the copy is done already."""
+        """Queues the copy of these mirror blocks into the decode pool, behind the chunk that wrote them and the
+        decode-device work in `after` (decode_marks: a step in flight may still write a freed row's blocks, a demotion
+        read them). Returns the event of their landing, or None where the copy is done already."""
         with torch.inference_mode(), self._streams(self.out, self.into):
             if self.cuda:
                 self.out.wait_stream(self.compute)
@@ -61,10 +54,9 @@ class KVHandoff:
         return landed
 
     def fill(self, block_ids: list[int], pool, after: list) -> None:
-        """Brings prefix-cache hits (registered blocks of the decode pool, `pool` its BlockPool) to the mirror
-        where it does not hold their KV (`mirrored`: the registration it holds per block id), in front of the lane's
-        next chunk; `after` as for send (a promotion may still be writing them). Only blocks registered from a
-        decode-device write land here, so their KV is there once `after` has run."""
+        """Brings prefix-cache hits of the decode pool (`pool` its BlockPool) to the mirror where it does not hold
+        their KV, in front of the lane's next chunk. `after` as for send: only blocks registered from a decode-device
+        write (a promotion's, say) land here, so their KV is there once `after` has run."""
         missing = [b for b in block_ids if self.mirrored.get(b) != pool.blocks[b].hash]
         if not missing:
             return

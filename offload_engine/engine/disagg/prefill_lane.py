@@ -1,12 +1,7 @@
-"""The prefill lane (prefill/decode separation, docs/design.md "More than one GPU"): prompt chunks run on
-`prefill_device`, on a thread of their own, while the engine's thread steps both decode lanes on the decode device.
-
-Its runner is a ModelRunner of its own: a copy of the weights, a pool mirroring the decode runner's (kv_handoff.py),
-eager, device tier only, sampling with the same per-request keys (greedy and seeded outputs are those without PD).
-It runs one batch at a time of device-tier rows that are not split. Its rows sit out (in flight) until their step
-is back and are never demoted, promoted or preempted meanwhile. A non-final chunk is taken in as soon as its step
-is back; a final one (Sequence.in_prefill) only once its KV has landed on the decode device, which reads it next
-and may hand out none of its blocks while a copy into them runs.
+"""The prefill lane (docs/design.md, "More than one GPU"): prompt chunks of unsplit device-tier rows run on
+`prefill_device`, one batch at a time on a thread of their own, in an eager ModelRunner whose pool mirrors the decode
+runner's. Its rows stay in flight until back. A final chunk is taken in only once its KV has landed on the decode
+device, which reads it next and may hand out none of its blocks while a copy into them runs.
 """
 import contextlib
 import dataclasses
@@ -45,9 +40,8 @@ class PrefillLane:
     @classmethod
     def start(cls, model_dir: str, model_cfg, cfg, dtype, max_model_len: int, decode_runner: ModelRunner,
               blocks: BlockManager) -> "PrefillLane":
-        """The lane for an engine whose decode runner is `decode_runner`: the prefill runner's pool mirrors its
-        device pool; eager (prefill steps replay no graphs), device tier only; its sampling generator is seeded
-        apart from the decode runner's two."""
+        """The lane for `decode_runner`'s engine: a runner whose device pool mirrors that runner's, eager, device
+        tier only, its sampling generator seeded apart from the decode runner's two."""
         lane_cfg = dataclasses.replace(
             cfg, device=cfg.prefill_device, prefill_device=None, kv_placement="gpu", kv_promotion=False,
             num_gpu_blocks=decode_runner.num_gpu_blocks, num_cpu_blocks=None, cpu_kv_cache_gb=None,
@@ -77,9 +71,8 @@ class PrefillLane:
         return self.step is not None or bool(self.landing)
 
     def submit(self, rows: list[Sequence], decode_device_prefills: bool) -> None:
-        """Starts prompt chunks on the lane (the plan's prefill_elsewhere, which the plan marked in flight; they come
-        back in `take`). decode_device_prefills: this step also prefills rows on the decode device, which queue there
-        behind the KV sent so far (a split row's device part may hit it)."""
+        """Starts prompt chunks on the lane (the plan's prefill_elsewhere, already in flight; `take` brings them back).
+        decode_device_prefills: this step also prefills on the decode device, behind the KV sent so far."""
         if decode_device_prefills:
             self.handoff.order_decode_prefill()
         if not rows:
@@ -98,7 +91,6 @@ class PrefillLane:
         self.num_prompt_tokens += sum(seq.num_scheduled_tokens for seq in rows)
 
     def _run(self, chunks: _Chunks, written: list[int], marks: list) -> float:
-        """One lane step, on the lane's thread: the chunks, then their KV's send. Returns its seconds."""
         began = time.perf_counter()
         with self.handoff.on_prefill_device():
             chunks.tokens = self.runner.prefill(chunks.rows)
@@ -106,10 +98,8 @@ class PrefillLane:
         return time.perf_counter() - began
 
     def take(self, scheduler) -> tuple[list[Sequence], int, float]:
-        """Takes in what the lane has back: the step's non-final chunks once it is, its final ones once their KV
-        has landed (module docstring). Unlike a prefill on the decode device it never reads the device lane's step
-        in flight: none of its rows are in that step. Returns the sequences that finished, and the prompt tokens and
-        seconds of the step taken in (0 if none)."""
+        """Takes in what the lane has back -> (sequences finished, prompt tokens and seconds of the step taken in,
+        0 if none). None of its rows are in the device lane's step in flight, so that step is not read first."""
         finished, num_tokens, seconds = [], 0, 0.0
         if self.step is not None and self.step[1].done():
             (chunks, result), self.step = self.step, None
@@ -146,8 +136,7 @@ class PrefillLane:
         self.handoff.mirrored.clear()
 
     def close(self) -> None:
-        """Stops the lane's thread (a step in flight finishes first), waits for the copies, and releases the
-        prefill runner: its weights, its pool and its memory on the prefill device."""
+        """Stops the lane's thread (a step in flight finishes first), waits for the copies, closes the runner."""
         self.thread.shutdown(wait=True, cancel_futures=True)
         self.handoff.close()
         self.step, self.landing = None, []
@@ -155,7 +144,6 @@ class PrefillLane:
 
 
 def _chunk_blocks(seq: Sequence, block_size: int) -> list[int]:
-    """The blocks seq's scheduled chunk writes into."""
     start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
     return seq.block_table[start // block_size : -(-end // block_size)]
 

@@ -1,12 +1,6 @@
-"""CUDA graphs for decode steps, one per batch-size bucket (why: docs/decisions/device-lane.md).
-
-Made with `inputs` (the persistent input batch), DecodeGraphs captures whole steps, token gather and sampling
-included, reading the batch's static tensors. Without (the torch backend) it captures the segments between attention
-calls (models/llama.py's `begin`, `between`, `end`) and runs attention eagerly. Each lane's graphs have their own
-static inputs and memory pool, so both lanes can be in flight at once, and capture on a stream of their own: cuBLAS
-keys its workspace by stream, and two lanes' graphs sharing one overwrite each other's partial products. Padding
-rows (37 rows run in the 48 bucket) get slot -1 and context 0, and every other op is row-wise: they touch no KV and
-their outputs are never read.
+"""CUDA graphs for decode steps, one per batch-size bucket (docs/design.md, "CUDA graphs"): with `inputs` (the
+persistent input batch) whole steps, token gather and sampling included; without (the torch backend), the segments
+between attention calls. Padding rows touch no KV (slot -1, context 0) and their outputs are never read.
 """
 import torch
 
@@ -30,7 +24,7 @@ class DecodeGraphs:
         self.positions = torch.zeros(largest, dtype=torch.int64, device=device)
         self.attn_out = torch.zeros(largest, num_heads, head_dim, dtype=dtype, device=device)
         self.pool = None
-        self.capture_stream = capture_stream  # one per lane: a cuBLAS workspace of the lane's own (see above)
+        self.capture_stream = capture_stream  # one per lane: cuBLAS keys its workspace by stream
         self.graphs: dict[int, list] = {}
         self.outputs: dict[int, list] = {}
         self.whole: dict[int, tuple] = {}
@@ -86,18 +80,15 @@ class DecodeGraphs:
         self.whole[size] = (graph, logits)
 
     def release(self) -> None:
-        """Drops every graph and the memory pool they share (the engine's close())."""
         for graph in [g for graphs in self.graphs.values() for g in graphs] + [g for g, _ in self.whole.values()]:
             graph.reset()
         self.graphs, self.outputs, self.whole, self.pool = {}, {}, {}, None
 
     @property
     def whole_steps(self) -> bool:
-        """Captured whole steps, attention and sampling included (made with `inputs`)."""
         return self.inputs is not None
 
     def bucket(self, batch: int) -> int:
-        """The graph size a batch runs in (the smallest bucket that holds it)."""
         return next(b for b in self.buckets if b >= batch)
 
     def fits(self, batch: int, meta) -> bool:

@@ -1,12 +1,5 @@
-"""Which CUDA graph a decode or prefill step replays, chosen in one place from a frozen description of its batch.
-
-    FULL       the whole step in one graph: device-lane decode (cuda_graphs.DecodeGraphs over the persistent input
-               batch), and prefill with every row on the device tier in a bucket that pays (prefill_graphs.py).
-    PIECEWISE  graphs around attention the GPU does not do alone: the host lane's gated steps (host_step_graphs.py),
-               and device-lane steps on the torch backend (DecodeGraphs.run).
-    NONE       eager: CPU devices, enforce_eager, batches past the largest bucket, split rows wider than the
-               captured device tables, prefill steps no graph fits.
-Descriptors are hashable: `counts` keeps how many steps ran under each (tests and benchmarks read it).
+"""Which CUDA graph a step replays, FULL, PIECEWISE or NONE (eager), chosen in one place from a frozen
+BatchDescriptor (docs/design.md, "CUDA graphs"). `counts` keeps how many steps ran under each (tests and benchmarks).
 """
 import enum
 from collections import Counter
@@ -30,7 +23,7 @@ class GraphDispatcher:
     def __init__(self, graphs: dict):
         """graphs: lane -> its DecodeGraphs or HostStepGraphs (ModelRunner.decode_graphs); no entry: eager."""
         self.graphs = graphs
-        self.prefill_graphs = None  # the runner's PrefillGraphs, where captured
+        self.prefill_graphs = None
         self.counts: Counter = Counter()  # (mode, descriptor) -> steps
 
     def dispatch(self, lane: str, rows: int, meta=None) -> tuple[GraphMode, BatchDescriptor]:
@@ -47,7 +40,6 @@ class GraphDispatcher:
         return mode, descriptor
 
     def dispatch_prefill(self, num_tokens: int, meta) -> tuple[GraphMode, BatchDescriptor]:
-        """A prefill step of num_tokens with AttentionMetadata meta."""
         size = self.prefill_graphs.fits(num_tokens, meta) if self.prefill_graphs is not None else None
         mode = GraphMode.NONE if size is None else GraphMode.FULL
         descriptor = BatchDescriptor("prefill", num_tokens if size is None else size, False)
@@ -55,5 +47,4 @@ class GraphDispatcher:
         return mode, descriptor
 
     def steps(self, lane: str, mode: GraphMode) -> int:
-        """Steps of `lane` that ran under `mode`."""
         return sum(n for (m, d), n in self.counts.items() if m == mode and d.lane == lane)

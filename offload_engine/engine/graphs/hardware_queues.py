@@ -1,8 +1,6 @@
-"""How many hardware work queues CUDA spreads the process's streams over, and why the engine asks for 32.
-
-CUDA reads CUDA_DEVICE_MAX_CONNECTIONS (8 unless set) once, when the process makes its context. Work in one queue
-runs in order, so a device-lane stream sharing a queue with a host-lane graph held at a gate (host_step_graphs.py)
-waits too. 32 is the most CUDA allows (docs/decisions/lane-interference.md, "Hardware queues").
+"""CUDA_DEVICE_MAX_CONNECTIONS, the hardware work queues CUDA spreads the process's streams over: the engine asks for
+32 (the most CUDA allows; 8 unless set), since a device-lane stream sharing a queue with a host-lane graph held at a
+gate waits too (docs/decisions/lane-interference.md, "Hardware queues").
 """
 import os
 import sys

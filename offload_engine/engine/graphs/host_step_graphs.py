@@ -1,12 +1,7 @@
-"""Whole-step CUDA graphs for the host lane: the device and the host kernel hand each layer over through gates.
-
-One graph per batch size holds the step, so it takes the GIL twice, not several times a layer. Per layer it copies
-q and the new K/V to pinned buffers, opens gate 0 and waits on gate 1 (stream_gates.py); `decode_layers` on the
-executor waits on gate 0, stores, attends, writes the output and opens gate 1 (cpu_attention/layer_loop.py says why
-the graph launches only once the loop runs). Where rows can be split (docs/design.md, "Sequences across both
-tiers"), a second graph per size attends over their device part between the gates and merges by LSE. Padding rows
-compute on stale inputs that nothing reads. Products run on few SMs (`few_sms`).
-Why: docs/decisions/lane-interference.md.
+"""Whole-step CUDA graphs for the host lane: the device and the host kernel hand each layer over through gates, so a
+step takes the GIL twice, not several times a layer (docs/design.md, "CUDA graphs"; why:
+docs/decisions/lane-interference.md). Where rows can be split, a second graph per size also attends over their device
+parts between the gates. Padding rows compute on stale inputs that nothing reads.
 """
 import contextlib
 
@@ -17,7 +12,7 @@ from offload_engine.engine.graphs.cuda_graphs import batch_buckets
 from offload_engine.engine.graphs.stream_gates import open_gate, wait_gate
 
 STEP_TIMEOUT_S = 600.0  # a step that long has lost its device: give up on it rather than hang
-SM_SHARE = 8  # products on 1/SM_SHARE of the SMs, 16 of an H100's 132 (why 8: docs/decisions/lane-interference.md)
+SM_SHARE = 8  # products on 1/SM_SHARE of the SMs, 16 of an H100's 132
 
 
 @contextlib.contextmanager
@@ -102,7 +97,6 @@ class HostStepGraphs:
         return self.model.compute_logits(inner.end(attn_out, residual))
 
     def _attend_device_part(self, layer: int, q: torch.Tensor, size: int):
-        """(out, lse) of the rows' device parts for the layer."""
         attn = self.model.attention_layers()[layer]
         return attn.backend.paged_decode_attention(q, attn.k_cache, attn.v_cache, self.device_tables[:size],
                                                    self.device_lens[:size], self.scale)

@@ -1,10 +1,6 @@
-"""Whole CUDA graphs for prefill steps whose rows are all on the device tier, one per bucket of tokens.
-
-Eager prefill of a small model is bound by its launches (docs/decisions/prefill-graphs.md). A bucket's graph holds
-the whole forward: the attention kernel's grid is a tile map sized for the bucket (kernels.paged_prefill), not the
-step's rows. Padding tokens get slot -1 and no tile, so they write no KV and are never attended; every other op is
-row-wise. Logits are computed eagerly, for the sampled rows. Only buckets that pay are captured, measured before the
-KV pool is sized (largest_paying_bucket). Steps with host-tier rows run eagerly: they stage host KV between layers.
+"""Whole CUDA graphs for prefill steps whose rows are all on the device tier, one per bucket of tokens
+(docs/design.md, "CUDA graphs"; why: docs/decisions/prefill-graphs.md). The attention kernel's grid is a tile map
+sized for the bucket; padding tokens get slot -1 and no tile, so they touch no KV. Logits are computed eagerly.
 """
 import time
 
@@ -19,12 +15,10 @@ _SIZES = [256, 512] + sorted(size for k in range(10, 24) for size in (1 << k, 3 
 
 
 def token_buckets(largest: int) -> list[int]:
-    """The bucket sizes up to `largest`, which is the last."""
     return [size for size in _SIZES if size < largest] + [largest]
 
 
 def _spin_cycles_per_second(device: torch.device) -> float:
-    """How many cycles of torch.cuda._sleep's spin kernel run in a second on `device`."""
     cycles = 10_000_000
     torch.cuda.synchronize(device)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -62,8 +56,8 @@ class PrefillGraphs:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.hidden: dict[int, torch.Tensor] = {}
         self.pays = {b: True for b in self.buckets}
-        self.launch_seconds, self.gpu_seconds = None, {}  # what `pays` was decided from (largest_paying_bucket)
-        self._spin_cycles = None  # of the spin that holds a measured forward's launches (_gpu_seconds)
+        self.launch_seconds, self.gpu_seconds = None, {}  # what `pays` was decided from
+        self._spin_cycles = None
         if capture_stream is not None:
             if paying_tokens is None:
                 paying_tokens = self.largest_paying_bucket()
@@ -134,8 +128,7 @@ class PrefillGraphs:
         return start.elapsed_time(end) / 1e3  # unheld after four tries: launch gaps included, an overestimate
 
     def fits(self, num_tokens: int, meta: AttentionMetadata) -> int | None:
-        """The bucket a prefill step runs in, or None where it runs eagerly: host-tier rows, more rows or a wider
-        table than the static tensors hold, more tokens than the largest bucket, or a bucket that does not pay."""
+        """The bucket a prefill step runs in, or None where it runs eagerly."""
         if meta.has_cpu_rows or meta.context_lens.shape[0] > self.max_rows:
             return None
         if meta.block_tables.shape[1] > self.max_blocks_per_seq:
@@ -167,7 +160,6 @@ class PrefillGraphs:
         return self._forward(size)[:num_tokens]
 
     def release(self) -> None:
-        """Drops every graph and the memory pool they share (the engine's close())."""
         for graph in self.graphs.values():
             graph.reset()
         self.graphs, self.hidden, self.pool = {}, {}, None
@@ -183,9 +175,8 @@ def prefill_graph_tokens(runner) -> int:
 
 
 def paying_prefill_tokens(runner) -> int:
-    """The largest bucket worth a graph on this runner (PrefillGraphs.largest_paying_bucket), 0 where none is
-    captured. Measured once, by whichever asks first: the memory profile, which sizes the graphs' pool from it, or
-    the capture, where the pool was given (num_gpu_blocks). Needs a device pool bound; no KV is read or written."""
+    """The largest bucket worth a graph on this runner, 0 where none is captured; measured once, by the memory
+    profile or the capture, whichever asks first. Needs a device pool bound; no KV is read or written."""
     if runner.paying_prefill_tokens is None:
         tokens = prefill_graph_tokens(runner)
         runner.paying_prefill_tokens = _graphs(runner, tokens).largest_paying_bucket() if tokens else 0
@@ -193,8 +184,7 @@ def paying_prefill_tokens(runner) -> int:
 
 
 def capture_prefill_graphs(runner) -> PrefillGraphs | None:
-    """The runner's prefill graphs, once its device pool is bound, or None (no bucket pays, or prefill_graph_tokens
-    is 0 for this runner)."""
+    """The runner's prefill graphs, once its device pool is bound, or None where no bucket pays."""
     tokens = paying_prefill_tokens(runner)
     if not tokens:
         return None

@@ -1,9 +1,9 @@
 """Gates between a CUDA stream and a host thread: 32-bit flags in pinned memory that the stream writes or waits on.
 
-The driver's stream memory operations (cuStreamWriteValue32 / cuStreamWaitValue32, v2 entry points, CUDA >= 11.7)
-are queued and captured into graphs like kernels, so a graph can hand work to the host and wait for its answer with
-no launch per hand-off. A write follows every earlier operation of the stream, its copies to host memory included
-(the default flag puts a memory barrier first); a wait holds back every later operation until the flag is >= value.
+cuStreamWriteValue32 / cuStreamWaitValue32 (v2 entry points, CUDA >= 11.7) are queued and captured into graphs like
+kernels, so a graph hands work to the host and waits for its answer with no launch. A write follows every earlier
+operation of the stream, its copies to host memory included (WRITE_DEFAULT puts a memory barrier first); a wait
+holds back every later operation until the flag is >= value.
 """
 import ctypes
 

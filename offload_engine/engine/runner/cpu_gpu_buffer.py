@@ -1,14 +1,13 @@
 """Named pinned host tensors and their device twins, packed so that one non-blocking copy moves them all.
 
-Every field is a slice of one pinned byte buffer, written through a numpy view, and lands in a device byte buffer
-whose typed views never move (the device lane's graphs read them as static inputs). The host side is
-double-buffered: the next step's inputs are written while this step's copy may still be queued. The device side is
-single: a copy into it is ordered after the step that last read it. Why: docs/decisions/device-lane.md.
+The device side's typed views never move: the device lane's graphs read them as static inputs. The host side is
+double-buffered (HOST_COPIES), since this step's copy may still be queued while the next step's inputs are written; a
+copy into the one device side is ordered after the step that last read it. Why: docs/decisions/device-lane.md.
 """
 import numpy as np
 import torch
 
-HOST_COPIES = 2  # one step's inputs being written while the previous step's copy may still be queued
+HOST_COPIES = 2
 _ALIGN = 64
 
 

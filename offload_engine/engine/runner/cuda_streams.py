@@ -1,8 +1,6 @@
-"""The CUDA streams the engine works on: one set per device for the whole process, shared by every engine.
-
-Process-wide because torch keeps a stream's cuBLAS workspaces until the process exits: fresh streams per engine
-would leak them (docs/decisions/memory.md, "Process-wide streams"). Two engines stepping at once from different
-threads would share them; the engine is not meant to be driven like that.
+"""The CUDA streams the engine works on: one set per device for the process, shared by every engine, since torch keeps
+a stream's cuBLAS workspaces until the process exits (docs/decisions/memory.md, "Process-wide streams"). So two
+engines must not step at once from two threads.
 """
 import torch
 

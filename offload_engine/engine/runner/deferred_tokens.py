@@ -1,8 +1,5 @@
-"""A device-lane decode step's sampled ids: on the device at once, on the host once their copy lands.
-
-With async scheduling the next step takes them on the device (input_batch.py) and the engine reads them a step
-late, from pinned buffers that alternate (HOST_COPIES): one step's ids may be unread when the next step's land.
-"""
+"""A device-lane decode step's sampled ids: on the device at once, on the host once their copy lands (async
+scheduling). The pinned buffers alternate (HOST_COPIES): one step's ids may be unread when the next step's land."""
 import time
 
 import torch
@@ -25,7 +22,7 @@ class SampledIdBuffers:
 
 class DeferredTokens:
     def __init__(self, seqs: list[Sequence], sampled: torch.Tensor, host: torch.Tensor):
-        self.seqs = seqs  # in the step's row order
+        self.seqs = seqs
         self.row_of = {seq.seq_id: row for row, seq in enumerate(seqs)}
         self.positions = [len(seq) for seq in seqs]  # where each sampled token goes in its sequence
         self.launched = time.perf_counter()
@@ -40,7 +37,6 @@ class DeferredTokens:
             self.landed.record()
 
     def result(self) -> list[int]:
-        """The sampled ids, waiting for their copy if it has not landed."""
         if self.landed is not None:
             self.landed.synchronize()
         return self.host.tolist()

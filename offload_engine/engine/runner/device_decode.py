@@ -17,9 +17,8 @@ class DeviceLaneDecode:
 
     def launch(self, seqs: list[Sequence], model, graphs, mode: GraphMode, padded: int,
                sampling_settings) -> DeferredTokens:
-        """Queues one step over `seqs` and returns at once. graphs: the lane's DecodeGraphs or None; mode and
-        padded: the dispatcher's choice (graph_dispatch.py); sampling_settings: a function of the step's rows (in
-        row order) -> StepInputBuilder.sampling_settings."""
+        """Queues one step over `seqs` and returns at once. mode and padded: the dispatcher's choice;
+        sampling_settings: the step's rows (in row order) -> StepInputBuilder.sampling_settings."""
         batch = self.batch
         rows = batch.place(seqs)
         count = len(rows)
@@ -41,5 +40,4 @@ class DeviceLaneDecode:
         return self.last_step
 
     def forget(self) -> None:
-        """Drops the step in flight (LLMEngine.abort: its rows are gone)."""
         self.last_step = None

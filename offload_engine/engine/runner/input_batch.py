@@ -1,10 +1,6 @@
-"""The device lane's decode rows, kept in place across steps (the persistent input batch of vLLM v1's runner).
-
-A row keeps its index while its sequence decodes in the device lane, and its host block-table row only gains new
-blocks; a leaving row's hole takes the last row, so rows stay dense. A step's inputs cross in one copy
-(cpu_gpu_buffer.py) into the whole-step graphs' static inputs. A row whose newest token the in-flight step sampled
-(PENDING_TOKEN on the host) reads it on the device from `sampled` (`gather_tokens`), which holds one step's ids
-until its DeferredTokens copies them to the host. Why: docs/decisions/device-lane.md.
+"""The device lane's decode rows, kept in place across steps (docs/design.md, "The runner"; why:
+docs/decisions/device-lane.md). A row whose newest token the in-flight step sampled (PENDING_TOKEN on the host) reads
+it on the device from `sampled` (`gather_tokens`), which holds one step's ids until DeferredTokens copies them.
 """
 import numpy as np
 import torch
@@ -18,19 +14,19 @@ from offload_engine.layers.sampler import SamplingBatch
 class DecodeInputBatch:
     def __init__(self, max_rows: int, max_blocks: int, block_size: int, device: torch.device):
         self.block_size, self.device = block_size, device
-        self.rows: list[Sequence] = []  # row index -> its sequence
+        self.rows: list[Sequence] = []
         self._tables: list[list[int]] = []  # row index -> the block-table list its host row was written from
         self.table = np.full((max_rows, max_blocks), -1, dtype=np.int32)  # host block tables, rows in place
-        self.num_blocks = np.zeros(max_rows, dtype=np.int64)  # of each row, written into `table`
+        self.num_blocks = np.zeros(max_rows, dtype=np.int64)
         self.block_writes = 0  # blocks written into `table` (tests: only what changed is written)
-        self.step = 0  # parity of the host halves
+        self.step = 0
         self.inputs = PackedCpuGpuBuffers({
             "host_tokens": (max_rows, torch.int64, 0),  # the host's newest token of each row (stale if pending)
             "feed": (max_rows, torch.int64, -1),  # the row of `sampled` whose id is this row's token, or -1
             "positions": (max_rows, torch.int64, 0),
             "slot_mapping": (max_rows, torch.int64, -1),
             "temperatures": (max_rows, torch.float32, 0),  # 0: greedy
-            "keys": (max_rows, torch.int64, 0),  # Philox keys (layers/sampler.py)
+            "keys": (max_rows, torch.int64, 0),
             "top_ks": (max_rows, torch.int64, 0),  # written only where a row of the step filters
             "top_ps": (max_rows, torch.float32, 1),
             "context_lens": (max_rows, torch.int32, 0),
@@ -39,7 +35,7 @@ class DecodeInputBatch:
         }, device)
         dev = self.inputs.device
         self.positions, self.slot_mapping, self.context_lens = dev["positions"], dev["slot_mapping"], dev["context_lens"]
-        self.token_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)  # what the model reads
+        self.token_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)  # the last step's ids, by its rows
         self.block_tables = torch.full((max_rows, max_blocks), -1, dtype=torch.int32, device=device)
         self.filtered: SamplingBatch | None = None  # the step's top-k/top-p settings, where a row has them
@@ -55,7 +51,7 @@ class DecodeInputBatch:
                 row += 1
                 continue
             last = len(self.rows) - 1
-            if row != last:  # the last row moves into the hole
+            if row != last:
                 self.rows[row], self._tables[row] = self.rows[last], self._tables[last]
                 self.table[row] = self.table[last]
                 self.num_blocks[row] = self.num_blocks[last]
@@ -70,9 +66,8 @@ class DecodeInputBatch:
         return list(self.rows)
 
     def prepare(self, padded: int, in_flight, settings=None) -> AttentionMetadata:
-        """Writes the step's inputs for rows [0, padded) and queues their one copy. Rows past the batch get slot -1
-        and context 0, so they read and write no KV. in_flight: the lane's step whose sampled ids are not on the
-        host yet (a DeferredTokens), or None. settings: StepInputBuilder.sampling_settings of the rows."""
+        """Writes the step's inputs for rows [0, padded) and queues their one copy; padding rows read and write no
+        KV. in_flight: the lane's DeferredTokens not yet read, or None. settings: as StepInputBuilder's."""
         parity, self.step = self.step % 2, self.step + 1
         host = lambda name: self.inputs.host(parity, name)
         count = len(self.rows)
@@ -140,7 +135,7 @@ class DecodeInputBatch:
         unless its table was replaced (a sequence that left the lane comes back with a new one)."""
         if self._tables[row] is not seq.block_table:
             self._tables[row], self.num_blocks[row] = seq.block_table, 0
-            self.table[row] = -1  # nothing of the row's last sequence stays behind (-1 padded, as the contract says)
+            self.table[row] = -1  # nothing of the row's last sequence stays behind
         have, need = int(self.num_blocks[row]), len(seq.block_table)
         if need > have:
             self.table[row, have:need] = seq.block_table[have:need]

@@ -1,8 +1,5 @@
-"""The device KV pool: how many blocks (`size_device_pool`), and its layout (`allocate_device_pool`).
-
-On CUDA the pool gets total memory x gpu_memory_utilization, less what is already on the card (the streams' cuBLAS
-workspaces included) and the measured peaks of the largest prefill, the prefill graphs' pool and a full-batch
-sample per lane (docs/decisions/memory.md, "Sizing the device pool: the memory profile").
+"""The device KV pool: how many blocks (`size_device_pool`, by a memory profile on CUDA) and its layout
+(`allocate_device_pool`). docs/design.md, "The runner"; why: docs/decisions/memory.md.
 """
 import contextlib
 
@@ -17,8 +14,7 @@ CPU_DEVICE_POOL_BYTES = 1 << 30  # device="cpu": the "device" tier is host memor
 
 
 def size_device_pool(runner) -> int:
-    """Blocks for the device pool: as asked (num_gpu_blocks), else what the device has room for, at most
-    enough for max_num_seqs sequences of max_model_len (more could never be used at once)."""
+    """Blocks for the device pool: num_gpu_blocks if set, else what the device has room for, at most wanted_blocks."""
     cfg = runner.cfg
     if cfg.num_gpu_blocks is not None:
         return cfg.num_gpu_blocks
@@ -34,14 +30,13 @@ def size_device_pool(runner) -> int:
 
 def allocate_device_pool(model_cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
                          device: torch.device) -> torch.Tensor:
-    """Every layer's K and V in one tensor, [L, 2, blocks, block_size, Hkv, D] (layer_views gives them one by
-    one): moves between the tiers take a batch of layers per kernel (tiers/kv_demotion.py, tiers/kv_promotion.py)."""
+    """Every layer's K and V in one tensor, [L, 2, blocks, block_size, Hkv, D]: moves between the tiers take a
+    batch of layers per kernel."""
     shape = (model_cfg.num_layers, 2, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
     return torch.empty(shape, dtype=dtype, device=device)
 
 
 def layer_views(stacked: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Each layer's (K, V) of a pool from allocate_device_pool."""
     return [(layer[0], layer[1]) for layer in stacked]
 
 
@@ -72,9 +67,8 @@ def profile_free_kv_bytes(runner) -> int:
 
 
 def claim_blas_workspaces(runner) -> None:
-    """Runs one small product on each stream the lanes use, so that cuBLAS makes the stream's workspace (which torch
-    keeps for the process: cuda_streams.py) now and the profile counts it as used, not after the pool is sized
-    (docs/decisions/memory.md, "cuBLAS workspaces claimed before free memory is read")."""
+    """Runs one small product on each stream the lanes use, so that cuBLAS makes each stream's workspace (kept for
+    the process) now, and the profile counts it as used."""
     from offload_engine.engine.runner.cuda_streams import engine_stream
     from offload_engine.engine.graphs.host_step_graphs import few_sms
 
@@ -134,10 +128,8 @@ def run_dummy_prefill(runner, num_seqs: int, seq_len: int) -> None:
 
 
 def reserve_step_memory(runner) -> None:
-    """Runs the largest prefill the scheduler can form and a full-batch top-k / top-p sample on each lane's stream,
-    so that the allocator holds the steps' largest blocks from the start rather than reserving more mid-run
-    (docs/decisions/memory.md, "Step memory reserved at start-up"). The pool was sized for this. Before any
-    request: the prefill's KV lands in blocks nobody holds yet."""
+    """Runs the largest prefill and a full-batch top-k / top-p sample on each lane's stream, so the allocator holds
+    the steps' largest blocks from the start. Before any request: the prefill's KV lands in blocks nobody holds."""
     tokens = min(runner.cfg.max_num_batched_tokens, runner.num_gpu_blocks * runner.cfg.block_size)
     seq_len = min(runner.max_model_len, tokens)
     with torch.cuda.stream(runner.streams["device"]):

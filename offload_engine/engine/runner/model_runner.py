@@ -1,8 +1,7 @@
-"""Loads the model, sizes and binds both KV pools, and runs one step: inputs -> model -> sampled tokens.
+"""Loads the model, sizes and binds both KV pools, and runs steps (docs/design.md, "The runner").
 
-Under tensor parallelism each rank has a ModelRunner for its slice of the model (tp), and rank 0's engine drives
-them all (offload_engine/distributed/). A rank's pools and executor hold its share of the KV heads and host cores;
-pool sizes are agreed across ranks (the smallest wins), so a block id means the same on every rank.
+Under tensor parallelism each rank has a ModelRunner for its slice of the model (tp), driven by rank 0's engine. Pool
+sizes are agreed across ranks (the smallest), so a block id means the same on every rank.
 """
 import contextlib
 import time
@@ -38,9 +37,8 @@ from offload_engine.loader import build_model
 class ModelRunner:
     def __init__(self, model_dir: str, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype,
                  max_model_len: int, tp: Partition = Partition()):
-        """model_cfg: the whole model; tp: the slice of it this runner holds (rank 0 of 1: all of it). Under tensor
-        parallelism cfg.device is this rank's device, and the caller runs it as the device lane
-        (parallel_state.lane): start-up makes collectives."""
+        """model_cfg: the whole model; tp: the slice this runner holds. Under tensor parallelism the caller runs
+        this as the device lane (parallel_state.lane): start-up makes collectives."""
         self.tp, self.whole_model_cfg = tp, model_cfg
         self.cfg, self.model_cfg, self.dtype = cfg, tp.local_shape(model_cfg), dtype  # model_cfg: this rank's heads
         self.device = cfg.torch_device
@@ -50,22 +48,21 @@ class ModelRunner:
         self.segment_tokens = 0
         self.decode_graphs: dict = {}
         self.prefill_graphs = None
-        self.paying_prefill_tokens = None  # their largest bucket, measured once (prefill_graphs.paying_prefill_tokens)
+        self.paying_prefill_tokens = None
         self.dispatcher = GraphDispatcher(self.decode_graphs)
         self.inputs = self.host_inputs = None
         self.streams: dict[str, torch.cuda.Stream] = {}
-        self.executor_writes = ExecutorWrites()  # host-pool writes still running on the executor
-        self.accesses = HostPoolAccesses()  # the device's direct reads and writes of the pinned host pool
-        self.moves_stream = None  # CUDA: where promotions' direct reads run, beside the device lane's steps
-        self.prefill_writes_stream = None  # where host-tier prefill's writes run, beside its layers
+        self.executor_writes = ExecutorWrites()
+        self.accesses = HostPoolAccesses()
+        self.moves_stream = None
+        self.prefill_writes_stream = None
         self.move_staging = MoveStaging(self.device)
         self.link_seconds_per_byte = None  # CUDA with a host tier: the pinned copy's, for LaneStats' move cost
-        self.ring = None  # pinned staging for host-tier prefill traffic (CUDA with a host tier)
+        self.ring = None
         self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
-        self.startup_seconds: dict[str, float] = {}  # where start-up time went (benchmarks/bench_startup.py)
+        self.startup_seconds: dict[str, float] = {}
         try:
-            # Start-up on this runner's GPU whatever the caller's current device: graph capture's syncs and the
-            # allocator's cache follow the current one. Steps run under their lane's stream, which sets it.
+            # Start-up under this runner's GPU: capture's syncs and the allocator's cache follow the current device.
             with torch.cuda.device(self.device) if self.device.type == "cuda" else contextlib.nullcontext():
                 self._start(model_dir)
         except BaseException:
@@ -74,8 +71,7 @@ class ModelRunner:
 
     def _start(self, model_dir: str) -> None:
         began = time.perf_counter()
-        # The host tier first: its numba compile and its page-locking run on threads of their own while the
-        # weights load and the device pool is profiled (docs/design.md, "Resources and their lifecycle").
+        # The host tier first: its numba compile and page-locking run on threads while the weights load.
         self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
         if self.host_pool is not None and self.device.type == "cuda":
             self.ring = PinnedRing()
@@ -96,7 +92,7 @@ class ModelRunner:
             # Before graph capture: page-locking from another thread would break a capture in progress.
             self.startup_seconds["pin"] = self.host_pool.wait_pinned()
         self.bind_kv_caches(self.device_pool, self.host_pool.layers if self.host_pool else None)
-        self.decode_graphs = self._capture_decode_graphs()  # the numba compile may still be running
+        self.decode_graphs = self._capture_decode_graphs()
         self.dispatcher.graphs = self.decode_graphs
         began = time.perf_counter()
         self.prefill_graphs = self.dispatcher.prefill_graphs = capture_prefill_graphs(self)
@@ -105,7 +101,7 @@ class ModelRunner:
             with torch.inference_mode():
                 self.model.attention_layers()[0].compile_staged_prefill()
         if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)  # what start-up queued on the default stream is done
+            torch.cuda.synchronize(self.device)
             self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
             self.moves_stream = engine_stream(self.device, "moves")
             reserve_step_memory(self)
@@ -113,17 +109,14 @@ class ModelRunner:
                 self.link_seconds_per_byte = self.move_staging.link_seconds_per_byte() / self.tp.size
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
-        # Tokens of a layer-major prefill segment (engine/runner/prefill_segment.py): only staged rows take segments.
         if self.host_pool is not None:
             self.segment_tokens = self._agreed(self.cfg.prefill_segment_tokens or segment_capacity(
                 self.model_cfg, self.dtype, self.device, self.cfg.max_num_batched_tokens, self.max_model_len))
         self.startup_seconds["total"] = time.perf_counter() - began
 
     def _agreed(self, value: int) -> int:
-        """A size this rank measured, agreed across the ranks (the smallest); with one rank, the size."""
         return value if self.tp.size == 1 else parallel_state.smallest(value, self.device)
 
-    # ---- pools -------------------------------------------------------------------------------------------
     def block_bytes(self, block_size: int) -> int:
         return block_size * self.model_cfg.kv_bytes_per_token(self.dtype)
 
@@ -143,19 +136,16 @@ class ModelRunner:
         blocks = self._agreed(host_pool_blocks(self.block_bytes(size) * self.tp.size, self.cfg.num_cpu_blocks,
                                                self.cfg.cpu_kv_cache_gb, self.wanted_blocks(size)))
         cfg = self.model_cfg
-        # numba compiles (or loads its on-disk cache) the kernels for this dtype on the executor's thread now,
-        # not inside the first step; the caller joins it once the weights are in. Ranks share the host's cores.
+        # numba compiles this dtype's kernels on the executor's thread now, joined once the weights are in.
         executor = CpuAttentionExecutor(num_threads=host_threads(self.tp.size), dtypes=(self.dtype,))
         pool = HostKVPool(cfg.num_layers, blocks, cfg.num_kv_heads, size, cfg.head_dim, self.dtype,
                           pin_device=self.device if self.device.type == "cuda" else None)
         return blocks, pool, executor
 
     def bind_kv_caches(self, device_pool, host_pool) -> None:
-        """Hands every attention layer its caches in both tiers, the device backend and the host executor."""
         copy_stream = engine_stream(self.device, "prefill-writes") if self.ring is not None else None
         self.prefill_writes_stream = copy_stream
-        # The host pool as the device addresses it: host-tier prefill writes whole host blocks there
-        # (layers/host_block_writes.py). Off CUDA the pool itself; on CUDA where the pinned pool is mapped.
+        # The host pool as the device addresses it, for host-tier prefill's whole-block writes.
         mapped = host_pool if host_pool and self.device.type != "cuda" else None
         stacked = self.host_pool.device_stacked() if host_pool and self.device.type == "cuda" else None
         if stacked is not None:
@@ -173,18 +163,15 @@ class ModelRunner:
             layer.copy_stream = copy_stream
 
     def _capture_decode_graphs(self) -> dict:
-        """Decode graphs per lane: "device" (whole steps where the backend allows) and "host" (whole steps whose
-        attention the host kernel does between gates: host_step_graphs.py)."""
+        """Decode graphs per lane: "device" and, with a host tier, "host" (HostStepGraphs)."""
         # Tensor parallelism runs eagerly: docs/decisions/device-lane.md, "Tensor parallelism runs eagerly".
         if self.device.type != "cuda" or self.cfg.enforce_eager or self.tp.size > 1:
             return {}
         from offload_engine.engine.graphs.cuda_graphs import DecodeGraphs
 
-        # Captured after both pools exist, from what gpu_memory_utilization left free. Whole-step graphs need a
-        # graph-safe attention backend: the torch path gathers every table column, which would not fit.
+        # Whole-step graphs need a graph-safe backend: the torch path gathers every table column, which would not fit.
         cfg = self.model_cfg
         whole = self.backend.name != "torch"
-        # The device lane's whole-step graphs read their inputs where the persistent input batch writes them.
         graphs = {"device": DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim, self.dtype,
                                          self.device, engine_stream(self.device, "capture-device"),
                                          inputs=self.device_decode.batch if whole else None)}
@@ -193,8 +180,7 @@ class ModelRunner:
             from offload_engine.engine.graphs.host_step_graphs import HostStepGraphs
 
             warn_if_narrow()
-            # Capture runs no host kernel. A sequence is split (sched/placement.split_device_tokens) only where it can
-            # outgrow the device pool; only such engines capture the graphs that attend over device parts too.
+            # Only engines where a sequence can outgrow the device pool (and be split) capture split-row graphs.
             splits = (self.cfg.kv_placement == "auto" and whole
                       and -(-self.max_model_len // self.cfg.block_size) > self.num_gpu_blocks)
             graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
@@ -204,17 +190,15 @@ class ModelRunner:
 
     @property
     def host_step_holds_executor(self) -> bool:
-        """True when a host-lane step is one native loop on the executor from its start to its end
-        (host_step_graphs.py): nothing else the executor runs gets in between, promotions' reads included."""
+        """True when a host-lane step holds the executor from its start to its end (one native loop)."""
         from offload_engine.engine.graphs.host_step_graphs import HostStepGraphs
 
         return isinstance(self.decode_graphs.get("host"), HostStepGraphs)
 
     @property
     def promotes_beside_host_steps(self) -> bool:
-        """Whether a promotion can start while a host step is in flight, without waiting for it to come back: yes
-        unless the step holds the executor and the promotion needs it, to gather through staging (no mapped pool)
-        or to finish host-pool writes queued there first (promote waits for those)."""
+        """Whether a promotion can start while a host step is in flight: yes unless the step holds the executor
+        and the promotion needs it (staged gathers where the pool is not mapped)."""
         if not self.host_step_holds_executor:
             return True
         return self.host_pool.device_stacked() is not None
@@ -242,11 +226,11 @@ class ModelRunner:
         self.accesses.wait_writes()  # no device write may land in host memory once it is unpinned
         self.accesses.wait_promotion_reads()  # nor a device read take place there
         if self.host_pool is not None:
-            self.host_pool.close()  # unpinned before the memory can go
+            self.host_pool.close()
             self.host_pool = None
         self.device_pool = self.device_stacked = self.model = None
         if self.device.type == "cuda" and torch.cuda.is_initialized():
-            torch.cuda.empty_cache()  # the pools' and graphs' memory goes back to the device, for the next engine
+            torch.cuda.empty_cache()  # for the next engine
 
     def _release_graphs(self) -> None:
         """Every lane's graphs and the prefill graphs, with their pools and static tensors. A method of its own so
@@ -257,7 +241,6 @@ class ModelRunner:
         self.decode_graphs = self.dispatcher.graphs = {}
         self.prefill_graphs = self.dispatcher.prefill_graphs = None
 
-    # ---- moves between the tiers (engine/tiers/tier_moves.py) ---------------------------------------------------
     def promote(self, moves: list[tuple[Sequence, list[int]]]):
         return tier_moves.promote(self, moves)
 
@@ -283,15 +266,13 @@ class ModelRunner:
 
     def check_host_writes(self, wait: bool = False) -> None:
         """Raises the error of a host-pool write that failed on the executor; with wait, first lets all finish.
-        Nothing waits for these writes otherwise: every later reader of those host blocks runs on the executor
-        after them (host decode, prefix staging, promotion), so the device lane never does."""
+        Otherwise nothing waits for them: every later reader of those blocks runs on the executor after them."""
         if wait:
             self.accesses.wait_writes()
         self.executor_writes.check(wait)
 
     def drain_host_work(self) -> None:
-        """Lets every host kernel and write queued so far finish, and forgets their outcomes (LLMEngine.abort):
-        a write that failed belongs to the aborted call, not to the next one."""
+        """Lets every host kernel and write queued so far finish, and forgets their outcomes (LLMEngine.abort)."""
         if self.executor is not None:
             self.executor.drain()
         self.accesses.wait_writes()
@@ -299,14 +280,11 @@ class ModelRunner:
         self.executor_writes.forget()
 
     def lane_stream(self, lane: str):
-        """The lane's own CUDA stream as a context: host-lane work (its rows' layers, its copies) queues beside the
-        device lane's steps instead of in front of them, and the device lane's stream has the higher priority."""
+        """The lane's own CUDA stream as a context: host-lane work queues beside the device lane's, not in front."""
         stream = self.streams.get(lane)
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
-    # ---- one step ----------------------------------------------------------------------------------------
-    # Decode steps of the two lanes may run at once, from two threads: each lane has its own graphs, sampling keys,
-    # inputs and CUDA stream, and shares nothing else that a step writes.
+    # The lanes' decode steps run at once, from two threads: they share nothing a step writes.
     def prefill(self, seqs: list[Sequence]) -> list[int]:
         """One prefill step (chunks of prompts, or one staged prompt's segment) -> each row's sampled id."""
         return self._step(seqs, is_prefill=True, lane="device")
@@ -316,8 +294,7 @@ class ModelRunner:
         return self._step(seqs, is_prefill=False, lane="host")
 
     def launch_device_decode(self, seqs: list[Sequence]) -> DeferredTokens:
-        """One device-lane decode step, returned as soon as it is queued: its rows in row order, and its ids, on the
-        device for the next step and on the host once their copy lands (the engine reads them a step later)."""
+        """One device-lane decode step, returned as soon as it is queued; its ids land on the host later."""
         return self._step(seqs, is_prefill=False, lane="device")
 
     def forget_device_step(self) -> None:
@@ -333,13 +310,11 @@ class ModelRunner:
             self.accesses.wait_promotion_reads()
         host_prefill = is_prefill and any(s.location == BlockLocation.CPU for s in seqs)
         if lane == "host" or host_prefill:
-            # Host kernels read (and prefix staging gathers) host blocks that demoted KV, or an earlier prefill's,
-            # may still be landing in.
+            # Host kernels and prefix staging read host blocks that demotions or a prefill may still be writing.
             self.accesses.wait_writes()
         with self.lane_stream(lane):
             if is_prefill:
-                # Prefix reuse may hand it device blocks a promotion is still filling, and its host-tier writes
-                # may go to host blocks one still reads.
+                # Prefix hits may be device blocks a promotion still fills; host-tier writes, blocks one still reads.
                 self.accesses.after_promotion_reads()
             if is_prefill and len(seqs) == 1 and seqs[0].num_scheduled_tokens > self.cfg.max_num_batched_tokens:
                 logits = self._prefill_segment(seqs[0])  # Scheduler._take_chunk made it a segment
@@ -359,7 +334,6 @@ class ModelRunner:
         return builder.sampling(seqs, self.model_cfg.vocab_size)
 
     def _forward(self, seqs: list[Sequence], is_prefill: bool, lane: str) -> torch.Tensor:
-        """The model over one step's batch -> the logits of its sampled rows."""
         builder = self.inputs if lane == "device" else self.host_inputs
         step = builder.prefill(seqs) if is_prefill else builder.decode(seqs)
         if is_prefill:

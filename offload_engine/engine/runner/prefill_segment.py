@@ -1,10 +1,6 @@
-"""Layer-major prefill of a long prompt that attends through the staging cache (host-tier and split sequences).
-
-Chunked prefill stages a host-tier prompt's whole prefix again for every chunk. A segment runs many chunks of one
-sequence in one step, layer by layer: each layer's staging cache receives the prefix once (Attention.stage_segment),
-and every chunk writes its K/V there and into its own tier, and attends there. Between layers each token's attention
-output and residual wait on the device (docs/decisions/memory.md, "Prefill segments' memory share"). The scheduler
-hands a staged sequence a segment when one chunk would leave more of its prompt for later (Scheduler._take_chunk).
+"""Layer-major prefill of a long staged prompt (docs/design.md, "Host-tier prefill"): many chunks of one sequence in
+one step, layer by layer, so each layer stages the prefix once, not once per chunk. Between layers each token's
+attention output and residual wait on the device (docs/decisions/memory.md, "Prefill segments' memory share").
 """
 from dataclasses import dataclass
 
@@ -28,7 +24,7 @@ class SegmentChunk:
     has_device_tokens: bool
     host_token_indices: torch.Tensor | None  # device int64: the tokens written on the host (None: all)
     host_token_slots: torch.Tensor  # host int64: their host-pool slots
-    block_writes: HostBlockWrites | None  # the host blocks the device writes whole (layers/host_block_writes.py)
+    block_writes: HostBlockWrites | None  # the host blocks the device writes whole
     staging_slots: torch.Tensor  # device int64: token t of the sequence is staging slot t
     block_table: torch.Tensor  # device int32 [1, staging blocks]
     cu_seqlens_q: torch.Tensor  # device int32 [2]
@@ -51,8 +47,7 @@ class SegmentInputs:
 
 
 def segment_inputs(builder, seq: Sequence, chunk_tokens: int) -> SegmentInputs:
-    """The maps of seq's scheduled tokens as one segment, in chunks of at most chunk_tokens. `builder` is the
-    runner's StepInputBuilder (its to_device, prefill_row and host_writes)."""
+    """The maps of seq's scheduled tokens as one segment, in chunks of at most chunk_tokens."""
     start, end = seq.num_computed_tokens, seq.num_computed_tokens + seq.num_scheduled_tokens
     block_size = builder.block_sizes[BlockLocation.CPU]
     row = builder.prefill_row(seq, start, end)
@@ -87,9 +82,8 @@ def segment_inputs(builder, seq: Sequence, chunk_tokens: int) -> SegmentInputs:
 
 
 def run_segment(model, segment: SegmentInputs, pending_writes: list) -> torch.Tensor:
-    """The segment through every layer, layer by layer -> the last token's final hidden state [1, hidden].
-    `model` is a CausalLM whose decoder has begin/between/end (models/llama.py); the host-pool writes it queues are
-    appended to pending_writes."""
+    """The segment through every layer, layer by layer -> the last token's final hidden state [1, hidden]. The
+    host-pool writes it queues are appended to pending_writes."""
     decoder = model.model
     attn_out = residual = None
     for layer, attn in enumerate(model.attention_layers()):
@@ -113,9 +107,8 @@ def run_segment(model, segment: SegmentInputs, pending_writes: list) -> torch.Te
 
 def segment_capacity(model_cfg, dtype: torch.dtype, device: torch.device, chunk_tokens: int,
                      max_model_len: int) -> int:
-    """Tokens a segment may hold: SEGMENT_MEMORY_SHARE of the memory free now (on CUDA, after start-up; on the
-    CPU, what psutil says is available), less one layer's staging cache at max_model_len and a margin, over what
-    a segment keeps per token. At least one chunk, at most max_model_len."""
+    """Tokens a segment may hold: SEGMENT_MEMORY_SHARE of the memory free now, less one layer's staging cache at
+    max_model_len and a margin, over what a segment keeps per token. At least one chunk, at most max_model_len."""
     itemsize = torch.empty((), dtype=dtype).element_size()
     per_token = itemsize * (model_cfg.num_heads * model_cfg.head_dim + model_cfg.hidden_size)
     staging = 2 * max_model_len * model_cfg.num_kv_heads * model_cfg.head_dim * itemsize

@@ -1,8 +1,6 @@
-"""Turns a scheduled batch into the step's tensors: token ids, positions and the dual-map AttentionMetadata.
-
-One pass fills Python lists and numpy arrays; each device tensor then crosses in one non-blocking copy from the
-builder's own pinned ring (tiers/pinned_ring.py), so no step allocates pinned memory. Each lane has its own
-builder; host-tier fields stay on the host. Device-lane decode uses the persistent input batch (input_batch.py).
+"""Turns a prefill or host-lane batch into the step's tensors: token ids, positions and the dual-map
+AttentionMetadata (docs/design.md, "The dual maps"). One builder per lane; device tensors cross from its own
+PinnedRing, so no step pins memory; host-tier fields stay on the host.
 """
 from dataclasses import dataclass
 
@@ -33,7 +31,7 @@ class _RowMaps:
 
     slots: dict  # tier -> int64 [tokens], -1 where the token is written on the other tier
     context: dict  # tier -> tokens of KV the tier's kernel attends over for this row
-    table: dict  # tier -> block ids
+    table: dict
     staged: bool = False  # prefill: attends through the staging cache (Attention._stage_prefix)
 
 
@@ -55,12 +53,12 @@ class StepInputBuilder:
         moved = staged.to(self.device, non_blocking=True)
         copied = torch.cuda.Event()
         copied.record()
-        self.ring.busy_until(region, copied)  # the region is free again once the copy has run
+        self.ring.busy_until(region, copied)
         return moved
 
     def sampling_settings(self, seqs: list[Sequence], vocab: int) -> tuple | None:
-        """The step's per-row sampling settings as host arrays (temperatures, keys, top-ks, top-ps; the last two
-        None where no row filters), or None where every row is greedy (layers/sampler.py)."""
+        """Per-row (temperatures, keys, top-ks, top-ps) as host arrays, the last two None where no row filters; None
+        where every row is greedy."""
         params = [s.params for s in seqs]
         if all(p.greedy for p in params):
             return None
@@ -76,7 +74,6 @@ class StepInputBuilder:
         return temperatures, keys, top_ks, top_ps
 
     def sampling(self, seqs: list[Sequence], vocab: int) -> SamplingBatch:
-        """The step's SamplingBatch, its tensors on the device."""
         settings = self.sampling_settings(seqs, vocab)
         if settings is None:  # argmax only: no per-row settings cross to the device
             return SamplingBatch(None, None)
@@ -93,10 +90,8 @@ class StepInputBuilder:
             self.ring = None
 
     def prefill_row(self, seq: Sequence, start: int, end: int) -> _RowMaps:
-        """The maps of a prefill chunk, tokens [start, end) of seq. A whole row's tokens and context are on its
-        tier. A split row writes tokens before num_device_tokens into its device blocks and the rest into its host
-        blocks, and is a host-tier row (its device part staged with its host prefix) unless the chunk lies wholly
-        in its device part."""
+        """The maps of a prefill chunk, tokens [start, end) of seq. A split row is a staged, host-tier row unless
+        the chunk lies wholly in its device part."""
         gpu, cpu = BlockLocation.GPU, BlockLocation.CPU
         none = np.full(end - start, -1, dtype=np.int64)
         if not seq.is_split:
@@ -106,7 +101,7 @@ class StepInputBuilder:
                             staged=tier == cpu)
         split = seq.num_device_tokens
         device, host = none.copy(), none.copy()
-        on_device = min(max(split - start, 0), end - start)  # the leading tokens that go to the device part
+        on_device = min(max(split - start, 0), end - start)
         device[:on_device] = slots_for(seq.device_prefix, self.block_sizes[gpu], start, start + on_device)
         host[on_device:] = slots_for(seq.block_table, self.block_sizes[cpu], start + on_device, end, first=split)
         tables = {gpu: seq.device_prefix, cpu: seq.block_table}
@@ -132,8 +127,7 @@ class StepInputBuilder:
                           self.to_device(cu_seqlens[1:], torch.int64) - 1, meta)
 
     def decode(self, seqs: list[Sequence]) -> StepInputs:
-        """The decode step's maps (the host lane's steps), in one pass without per-row arrays: it runs before every
-        step (docs/decisions/device-lane.md, "Decode maps in one pass")."""
+        """A host-lane step's maps, in one pass without per-row arrays: it runs before every step."""
         gpu = BlockLocation.GPU
         num_rows = len(seqs)
         slots = {t: np.full(num_rows, -1, dtype=np.int64) for t in BlockLocation}
@@ -219,9 +213,8 @@ class StepInputBuilder:
         )
 
     def host_writes(self, host_slots: np.ndarray) -> tuple[HostBlockWrites | None, np.ndarray]:
-        """How the host-tier tokens of a prefill (host_slots: each token's host slot, -1 for others) reach the host
-        pool: the blocks the device writes whole (with direct_host_writes), and the indices of the tokens left for
-        the executor's path (layers/host_block_writes.py)."""
+        """How a prefill's host-tier tokens (host_slots, -1 for others) reach the host pool: the blocks the device
+        writes whole (with direct_host_writes), and the indices of the tokens left for the executor."""
         if not self.direct_host_writes:
             return None, np.flatnonzero(host_slots >= 0)
         plan, rest = plan_host_block_writes(host_slots, self.block_sizes[BlockLocation.CPU])

@@ -1,12 +1,9 @@
-"""Paged KV blocks on two tiers, with prefix caching within each tier.
+"""Paged KV blocks on two tiers (a BlockPool each, with its own block size), with prefix caching within each tier.
 
-Each tier (GPU: the device pool, CPU: the pinned host pool) has its own BlockPool and block size. A sequence lives on
-one tier, chosen by engine/sched/placement.py, and its `block_table` indexes that tier's pool; a split sequence is a
-host-tier one whose first tokens' KV is in device blocks (`device_prefix`). `move` re-homes an unsplit sequence.
 Prefix caching: a full computed block is registered under a hash chained over every token before it; a hit also
 compares token ids, so a collision never serves wrong KV. Freed blocks keep their registration until reused, least
-recently freed first. Blocks a demotion frees are held until its copy (ModelRunner.demote) has read them; those
-handed out meanwhile go first in the copy (hand_out_held), the rest free once it lands (hold_until, reclaim).
+recently freed first. Blocks a demotion frees are held until its copy has read them: those handed out meanwhile are
+copied first (hand_out_held), the rest free once it lands (hold_until, reclaim).
 """
 from collections import OrderedDict, deque
 from dataclasses import dataclass
@@ -33,7 +30,7 @@ class BlockPool:
         self.free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self.cached: dict[int, int] = {}  # chained hash -> block id
         self.held: list[int] = []  # freed by a demotion whose copy is not queued yet: usable, copied first
-        self.handed_out: list[int] = []  # held blocks taken since (hand_out_held)
+        self.handed_out: list[int] = []
         self.landing: deque[tuple[object, list[int]]] = deque()  # (the copy's event, the blocks it still reads)
         self._landing_ids: set[int] = set()
 
@@ -120,8 +117,7 @@ class BlockPool:
 @dataclass
 class DevicePartGrowth:
     """A split sequence's device part taking over the first blocks of its host part, shaped as a promotion move
-    (kv_promotion copies `num_computed_tokens` tokens into `block_table`). Its `in_flight` is the sequence's, which
-    sits out both lanes until the copy has landed."""
+    (kv_promotion copies `num_computed_tokens` tokens into `block_table`); `in_flight` is the sequence's."""
 
     seq: Sequence
     num_computed_tokens: int
@@ -146,7 +142,6 @@ class BlockManager:
         self.num_prefix_hit_tokens = 0  # prompt tokens served from cached blocks instead of computed
 
     def reset(self) -> None:
-        """Every block free and nothing cached, in both tiers (LLMEngine.abort)."""
         self.pools = {tier: BlockPool(p.num_blocks, p.block_size, p.enable_prefix_caching)
                       for tier, p in self.pools.items()}
 
@@ -154,8 +149,7 @@ class BlockManager:
         return self.pools[location]
 
     def can_allocate(self, seq: Sequence, location: BlockLocation, device_tokens: int = 0) -> bool:
-        """Room for the sequence's tokens now; with device_tokens, for a split: that many on the device, the rest on
-        the host."""
+        """Room for the sequence's tokens now; with device_tokens, for a split with that many on the device."""
         if device_tokens:
             gpu, cpu = self.pools[BlockLocation.GPU], self.pools[BlockLocation.CPU]
             return (gpu.blocks_for(device_tokens) <= gpu.num_free
@@ -165,9 +159,7 @@ class BlockManager:
 
     def allocate(self, seq: Sequence, location: BlockLocation, device_tokens: int = 0) -> None:
         """Gives the sequence blocks for all its tokens, reusing cached prefix blocks where they match. With
-        device_tokens (a whole number of device blocks; location must be the host tier), the sequence is split:
-        its first device_tokens tokens get device blocks, the rest host blocks (docs/design.md, "Sequences across
-        both tiers"). Prefix reuse then covers the device part, whose blocks lead the sequence."""
+        device_tokens (whole device blocks, host tier only) it is split, and prefix reuse covers the device part."""
         seq.location = seq.admitted_to = location
         if device_tokens:
             assert location == BlockLocation.CPU and device_tokens % self.pools[BlockLocation.GPU].block_size == 0
@@ -216,9 +208,8 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_hashed_blocks = seq.num_device_tokens = 0
 
     def move(self, seq: Sequence, location: BlockLocation, hold: bool = False) -> list[int]:
-        """Re-homes a decoding sequence's computed KV on another tier: new blocks there (registered), the old ones
-        released (with hold: held for the copy, BlockPool.hold_until). Returns the old block table, whose blocks hold
-        the KV until the next allocation: the caller copies it before anything else is scheduled."""
+        """Re-homes an unsplit sequence's computed KV on another tier (with hold, the old blocks are held for the
+        copy). Returns the old block table: the caller copies it before anything else is scheduled."""
         assert not seq.is_split, "split sequences keep their parts (placement.promotions passes them over)"
         old_pool, new_pool = self.pools[seq.location], self.pools[location]
         old_table = seq.block_table
@@ -230,9 +221,8 @@ class BlockManager:
         return old_table
 
     def grow_device_part(self, seq: Sequence, num_host_blocks: int) -> tuple[DevicePartGrowth, list[int]]:
-        """Moves the first num_host_blocks blocks of a split sequence's host part (computed, full) to new device
-        blocks at the end of its device part. Returns the move and the old host blocks, which hold the KV until the
-        next allocation: the caller copies it before anything else is scheduled."""
+        """Moves the first num_host_blocks (computed, full) of a split sequence's host part to the end of its device
+        part. Returns the move and the old host blocks: the caller copies them before anything else is scheduled."""
         gpu, cpu = self.pools[BlockLocation.GPU], self.pools[BlockLocation.CPU]
         tokens = num_host_blocks * cpu.block_size
         assert seq.is_split and tokens <= seq.num_computed_tokens - seq.num_device_tokens

@@ -1,12 +1,7 @@
-"""How long host-tier rows stay on the host tier, and what the host lane gains from them meanwhile: the horizon of
-placement's admission check (placement.host_lane_pays).
-
-A row admitted to the host tier decodes there only until device room frees for it; its promotion then costs the
-device lane LaneStats.move_seconds_per_token per token of context, which a check of rates alone cannot see. The
-forecast replays the scheduler at the rates measured now: device rows end after their tokens left and free their
-budgets' blocks; host rows move up in promotions()'s order once the freed room holds them; a host row that finishes
-first never moves. Every device row's growth to its budget is reserved from the start, so room is never forecast
-early. Why: docs/decisions/placement.md, "The admission cost check".
+"""How long host-tier rows stay on the host tier, and what the host lane gains meanwhile: the horizon of
+placement.host_lane_pays. The forecast replays the scheduler at the rates measured now, reserving every device row's
+growth to its budget from the start, so room is never forecast early (docs/decisions/placement.md, "The admission
+cost check").
 """
 import heapq
 import math
@@ -19,9 +14,8 @@ from offload_engine.engine.sequence import BlockLocation, Sequence
 
 def promotion_delays(host_rows: list[Sequence], device_rows: list[Sequence], blocks: BlockManager,
                      device_step: float, host_row_tok_s: float) -> list[float]:
-    """Seconds from now until each host row moves to the device (math.inf: it ends on the host first), for rows
-    given in promotion order, with device steps of `device_step` seconds and each host row making
-    `host_row_tok_s` tokens a second until it moves."""
+    """Seconds from now until each host row (in promotion order) moves to the device; math.inf where it ends on the
+    host first. device_step: seconds a device step; host_row_tok_s: each host row's tokens a second."""
     gpu = blocks.pool(BlockLocation.GPU)
     ends = [(s.tokens_left * device_step, gpu.blocks_for(s.budget)) for s in device_rows]
     heapq.heapify(ends)

@@ -1,16 +1,13 @@
 """What the two decode lanes cost, measured as the engine runs: the inputs of placement's cost checks.
-- Host-lane step: fixed + per_byte x KV bytes, both measured directly (the executor times its kernels in each step).
-- Device-lane slowdown: step time with a host step in flight over without, at equal row counts. Steps that also
-  moved KV between the tiers are not timed (the engine leaves them out).
-- Device-lane tokens per second; a move's device-lane cost per token of KV (seeded with the host link's time); a
-  host-tier prompt's prefill cost per token beyond a device-tier one's (DevicePrefillSteps).
-Every estimate is the median of its last WINDOW values (ratios taken per value): one stalled sample must not set the
-checks' inputs, since a refusal stops the samples that would correct it. Why: docs/decisions/lane-stats.md.
+
+Host-lane step: fixed + per_byte x KV bytes. Device-lane slowdown: step time with a host step in flight over without,
+at equal row counts. Every estimate is a median of its last WINDOW values: one stalled sample must not set the checks'
+inputs, since a refusal stops the samples that would correct it. Why each estimator: docs/decisions/lane-stats.md.
 """
 import statistics
 from collections import Counter, deque
 
-WINDOW = 32  # the values an estimate is the median of
+WINDOW = 32
 
 
 class _Recent:
@@ -18,7 +15,7 @@ class _Recent:
 
     def __init__(self):
         self._values: deque[float] = deque(maxlen=WINDOW)
-        self._median: float | None = None  # cached until the next add
+        self._median: float | None = None
         self.count = 0
 
     def add(self, x: float) -> None:
@@ -34,17 +31,15 @@ class _Recent:
 
 
 class DevicePrefillSteps:
-    """What a prefill step of n prompt tokens takes without host-tier rows: fixed + per_token * n, a Theil-Sen line
-    (the median of the slopes between steps of unlike sizes, then the median intercept) over the last WINDOW steps.
-    Per token alone would charge a step's fixed part to its tokens and make small steps look dear. Where no two
-    steps differ in size by UNLIKE, the line goes through the origin (docs/decisions/lane-stats.md, "Prefill cost
-    per token")."""
+    """A prefill step of n tokens without host-tier rows: fixed + per_token * n, a Theil-Sen line over the last
+    WINDOW steps (per token alone would make small steps look dear); through the origin while no two steps' sizes
+    differ by UNLIKE."""
 
     UNLIKE = 1.25  # sizes this far apart give a slope
 
     def __init__(self):
         self._steps: deque[tuple[int, float]] = deque(maxlen=WINDOW)
-        self._line: tuple[float, float] | None = None  # (fixed, per_token), cached until the next add
+        self._line: tuple[float, float] | None = None  # (fixed, per_token)
         self.count = 0
 
     def add(self, tokens: int, seconds: float) -> None:
@@ -73,23 +68,21 @@ class DevicePrefillSteps:
 
 class LaneStats:
     def __init__(self, kv_bytes_per_token: int | None = None, link_seconds_per_byte: float | None = None):
-        self.kv_bytes_per_token = kv_bytes_per_token  # of the model: host step cost is per byte of KV read
-        self.link_seconds_per_byte = link_seconds_per_byte  # the move cost's seed (None: not measured)
+        self.kv_bytes_per_token = kv_bytes_per_token
+        self.link_seconds_per_byte = link_seconds_per_byte
         self.host_fixed = _Recent()  # seconds of a host step outside its CPU kernels
         self._kernel_per_byte = _Recent()  # seconds of a host step's CPU kernels per KV byte they read
         self._device_steps: dict[tuple[int, bool], _Recent] = {}  # (rows, host step in flight) -> seconds
         self.device_tok_s = _Recent()
-        self._move_per_token = _Recent()  # device-lane seconds of a move per token it moved
-        self._device_prefill = DevicePrefillSteps()  # prefill steps without host-tier rows
+        self._move_per_token = _Recent()
+        self._device_prefill = DevicePrefillSteps()
         self._host_prefill_extra = _Recent()  # seconds per host-tier prompt token beyond that
-        self.device_prefill_elsewhere = False  # prefill/decode separation: device-tier prompts prefill elsewhere
+        self.device_prefill_elsewhere = False
         self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
-        self.device_steps_since_host_step = 0  # timed device steps since the host lane last stepped
+        self.device_steps_since_host_step = 0
 
-    # ---- recording -----------------------------------------------------------------------------------------
     def host_step(self, kv_bytes: int, seconds: float, kernel_seconds: float) -> None:
-        """A host-lane step over rows holding kv_bytes of KV took `seconds`, `kernel_seconds` of it in the CPU
-        attention kernels."""
+        """A host-lane step over kv_bytes of KV took `seconds`, `kernel_seconds` of it in the CPU kernels."""
         kernel_seconds = min(kernel_seconds, seconds)
         self.device_steps_since_host_step = 0
         self.host_fixed.add(seconds - kernel_seconds)
@@ -118,7 +111,6 @@ class LaneStats:
     def record_check(self, kind: str, pays: bool) -> None:
         self.checks[(kind, pays)] += 1
 
-    # ---- predictions ---------------------------------------------------------------------------------------
     @property
     def host_per_byte(self) -> float | None:
         return self._kernel_per_byte.value
@@ -161,9 +153,8 @@ class LaneStats:
 
     @property
     def slowdown(self) -> float:
-        """Device step time with a host step in flight over without, at equal row counts (a busy host lane coincides
-        with full device batches, slower anyway): the mean of the per-row-count ratios, each weighted by how many
-        steps back its rarer side (1.0 until some row count was seen both ways)."""
+        """The mean of per-row-count ratios busy / idle (a busy host lane coincides with full batches, slower anyway),
+        each weighted by the steps behind its rarer side; 1.0 until some row count was seen both ways."""
         total = weight_sum = 0.0
         for (rows, busy), busy_avg in self._device_steps.items():
             idle_avg = self._device_steps.get((rows, False)) if busy else None

@@ -1,12 +1,9 @@
 """Which KV tier a sequence lives on, and when it moves between them (docs/design.md, "Placement").
 
-"gpu": device pool only; a sequence is admitted when its prompt fits what is free now, and a decode step with no block
-for a row's next token preempts the newest device row for recompute. "cpu": host pool only.
-"auto" is never slower than "gpu" at the same device budget. It packs the device tier by "gpu"'s rule and order (host
-rows that will move up go first, as "gpu"'s preempted requests do, holding new ones at most PROMOTION_HOLD_STEPS).
-Overflow is demoted to the host tier and decodes there; recompute only when the host pool is full too. A request
-joins the host tier rather than wait, and the host lane steps, only where the cost checks predict a gain. Sequences
-larger than the whole device pool are split across both tiers. Rules and measurements: docs/decisions/placement.md.
+The one place that decides tiers and moves. "auto" is never slower than "gpu" at the same device budget: it packs the
+device pool by "gpu"'s rule and order, demotes overflow to the host tier (recompute only when that is full too), and
+sends a request to the host lane, or steps it, only where the cost checks predict a gain. Why each rule and constant
+is as it is: docs/decisions/placement.md, one section per function or constant named here.
 """
 from collections.abc import Iterable, Iterator
 
@@ -30,9 +27,8 @@ def can_ever_fit(seq: Sequence, policy: str, blocks: BlockManager) -> bool:
 def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[Sequence],
                 stats: LaneStats | None = None, waiting: Iterable[Sequence] = (),
                 kv_promotion: bool = True, step: int = 0) -> BlockLocation | None:
-    """The tier to admit `seq` on now, or None if it has to wait for room. `waiting`: the requests queued
-    behind it, which would join the host lane with it. With kv_promotion, host rows that will move up take
-    device room first, for a while (_held_for_promotion; `step`: the engine's step count)."""
+    """The tier to admit `seq` on now, or None if it waits. `waiting`: requests queued behind it, which would join
+    the host lane with it; `step`: the engine's step count, for the hold behind promotions (_held_for_promotion)."""
     if policy in ("gpu", "cpu"):
         tier = tiers_allowed(policy)[0]
         return tier if blocks.can_allocate(seq, tier) else None
@@ -48,17 +44,13 @@ def choose_tier(seq: Sequence, policy: str, blocks: BlockManager, running: list[
     return None
 
 
-# The longest a request is held, in engine steps, so that host rows move up into device room before it.
-# Why 16: docs/decisions/placement.md, "The hold behind promotions".
+# The most engine steps a request is held so that host rows move up first ("The hold behind promotions").
 PROMOTION_HOLD_STEPS = 16
 
 
 def _held_for_promotion(seq: Sequence, running: Iterable[Sequence], blocks: BlockManager, step: int) -> bool:
-    """Whether `seq`, whose prompt fits the device now, waits so that host rows move up first (_awaiting_promotion).
-    A hold that helps ends within a few dozen steps, when device rows end and a host row moves into their room; one
-    that has not is held by host rows that do not move up (always in a host step, which promotions() passes over),
-    and leaves device room idle while seq does not decode. So seq is held for at most PROMOTION_HOLD_STEPS steps
-    from its first hold (`held_since`), then admitted."""
+    """Whether `seq`, whose prompt fits the device now, waits so that host rows move up first: for at most
+    PROMOTION_HOLD_STEPS steps from its first hold (`held_since`); a longer hold only leaves device room idle."""
     if not _awaiting_promotion(running, blocks):
         return False
     if seq.held_since is None:
@@ -67,21 +59,14 @@ def _held_for_promotion(seq: Sequence, running: Iterable[Sequence], blocks: Bloc
 
 
 def _awaiting_promotion(running: Iterable[Sequence], blocks: BlockManager) -> bool:
-    """Whether a host-tier row that could decode on the device waits for device room. Such rows go first, as "gpu"
-    re-admits its preempted sequences before later requests: a new request given the room a demotion had just freed
-    overflows the device again within a few steps, and the next row is demoted (a cascade of demotions)."""
+    """Whether a host-tier row that could decode on the device waits for device room."""
     gpu = blocks.pool(GPU)
     return any(s.location == CPU and not s.is_split and gpu.blocks_for(s.budget) <= gpu.num_blocks for s in running)
 
 
 def split_device_tokens(seq: Sequence, policy: str, blocks: BlockManager, running: Iterable[Sequence],
                         waiting: Iterable[Sequence] = ()) -> int:
-    """How many of its first tokens a sequence admitted to the host tier keeps on the device (0: not split). Under
-    "auto", only a sequence whose budget exceeds the whole device pool is split: device room is worth more to a whole
-    row (device speed) than to a split one (bound by its host part). The device part takes only room whole rows will
-    not need (_spare_device_blocks), so a split never causes a demotion nor keeps a waiting whole request off the
-    device. It covers at most the prompt, in whole host blocks, so that host prefill can gather it into the
-    host-block-sized staging cache (Attention._stage_prefix). It grows as room frees up (split_growth)."""
+    """How many of its first tokens a sequence admitted to the host tier keeps on the device (0: not split)."""
     gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)
     if policy != "auto" or gpu.blocks_for(seq.budget) <= gpu.num_blocks or cpu.block_size % gpu.block_size:
         return 0
@@ -92,11 +77,8 @@ def split_device_tokens(seq: Sequence, policy: str, blocks: BlockManager, runnin
 
 def split_growth(seq: Sequence, blocks: BlockManager, running: Iterable[Sequence],
                  waiting: Iterable[Sequence] = ()) -> int:
-    """How many leading blocks of a split sequence's host part move to the device now (0: none): as much as
-    split_device_tokens' rule allows once room frees up. Each block moved is read at device speed from then on,
-    shortening the row's host-bound steps. Only computed, full host blocks move, so the host part stays aligned at
-    its first token; the copy is a promotion's (asked only with kv_promotion on, right after promotions). The device
-    part never shrinks: device rows that need more room are demoted instead (demotion_order), as without splits."""
+    """How many leading host blocks of a split sequence move to the device now (0: none), by split_device_tokens'
+    rule. Only computed, full host blocks move, so the host part stays aligned at its first token."""
     gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)
     if not seq.is_split or seq.in_flight or seq.in_prefill:
         return 0
@@ -117,8 +99,7 @@ def _spare_device_blocks(seq: Sequence, blocks: BlockManager, running: Iterable[
 
 def demotes(victim: Sequence, policy: str, blocks: BlockManager) -> bool:
     """Whether a device sequence that must give up its blocks moves to the host tier (else: recomputed): under
-    "auto", whenever the host pool has room for it. No cost check: the alternative is recomputing its whole context,
-    not waiting (docs/decisions/placement.md, "Demotion has no cost check")."""
+    "auto", whenever the host pool has room. No cost check: the alternative is a recompute, not a wait."""
     if policy != "auto":
         return False
     host = blocks.pool(CPU)
@@ -126,20 +107,14 @@ def demotes(victim: Sequence, policy: str, blocks: BlockManager) -> bool:
 
 
 def demotion_order(rows: list[Sequence]) -> list[Sequence]:
-    """Device rows by how soon they end: fewest tokens left first (the newest first among equals). A row near its
-    end frees the most blocks, finishes in the host lane within a few steps and is not promoted back, so the device
-    keeps the rows that would otherwise decode alone at the end of a batch (promotions() takes those first for the
-    same reason). Why not "gpu"'s newest-first: docs/decisions/placement.md, "Demotion order"."""
-    return sorted(reversed(rows), key=lambda seq: seq.tokens_left)  # stable: newest first among equals
+    """Device rows by how soon they end, fewest tokens left first (newest first among equals)."""
+    return sorted(reversed(rows), key=lambda seq: seq.tokens_left)
 
 
 def demotion_victims(device_rows: list[Sequence], host_rows: list[Sequence],
                      stats: LaneStats | None) -> Iterator[Sequence]:
-    """Device rows (in admission order) in the order they are demoted, each picked once those before it have gone
-    to the host lane. The row nearest its end (demotion_order) goes if the host lane would step with it
-    (host_lane_keeps_up): it finishes there. If not, a demoted row sits parked until device room frees, so the
-    newest goes, as "gpu" preempts: it comes back at the head of the queue with most of its tokens to go and starts
-    the next wave with it (docs/decisions/placement.md, "Demotion victims")."""
+    """Device rows (in admission order) in the order they are demoted, each picked as if those before had gone to
+    the host lane."""
     rows, host = list(device_rows), list(host_rows)
     while rows:
         victim = demotion_order(rows)[0]
@@ -156,20 +131,14 @@ def _checked(kind: str, pays: bool, stats: LaneStats | None) -> bool:
     return pays
 
 
-# Host-tier prefills measured before the admission check trusts their median (LaneStats.prefill_done): one noisy
-# sample turned the host tier off for whole runs. Why 3: docs/decisions/placement.md, "The admission cost check".
+# Host-tier prefills measured before the admission check trusts their median ("The admission cost check").
 MIN_PREFILL_SAMPLES = 3
 
 
 def host_lane_pays(seq: Sequence, running: Iterable[Sequence], blocks: BlockManager, stats: LaneStats | None,
                    joining: Iterable[Sequence] = ()) -> bool:
-    """Whether seq as one more host-lane row saves the device lane more time than it costs, over its stay there
-    (host_stay.host_gain_seconds: its tokens until device room frees, less its promotion and the device lane's
-    slowdown). A busy lane takes seq if its gain with seq beats its gain without by more than seq's extra prefill
-    cost (LaneStats.host_prefill_seconds_per_token); an idle one wakes only if the gain of every row that would start
-    it together (seq and `joining`) beats their extra prefill cost. Before the lanes are measured, the first request
-    tries the host lane alone and the rest wait for its measured step; while the device lane has rows but no
-    measured step, requests wait for it (docs/decisions/placement.md, "The admission cost check")."""
+    """Whether seq as one more host-lane row saves the device lane more time over its stay (host_gain_seconds) than
+    its host-tier prefill adds. `joining`: the rows that would start an idle lane with it."""
     if stats is None or stats.kv_bytes_per_token is None:
         return True
     running = list(running)
@@ -195,18 +164,13 @@ def host_lane_pays(seq: Sequence, running: Iterable[Sequence], blocks: BlockMana
     return without is None or with_seq is None or with_seq - without > prefill([seq])
 
 
-# The most device steps the host lane waits, while it has rows, before it steps anyway to measure itself again.
-# Why 64: docs/decisions/placement.md, "The host step's check and its probe".
+# Device steps the host lane, having rows, waits at most before it steps anyway ("The host step's check and its probe").
 HOST_PROBE_STEPS = 64
 
 
 def host_step_pays(host_rows: list[Sequence], device_rows: int, stats: LaneStats | None) -> bool:
-    """Whether the host lane should take a step now with these rows: its predicted tokens per second against what
-    it costs the device lane at the measured slowdown (device tok/s x (1 - 1/slowdown)), admission's rule applied
-    to the lane as it stands. A host step is a whole forward pass for its few rows: where the device lane is bound
-    by the GPU it costs that lane about a step of its own. Steps when the device lane has no rows, and until both
-    costs are measured. A refusal stops the measurements it was made from, so after HOST_PROBE_STEPS device steps
-    without one the lane steps anyway (a "host_step_probe" check)."""
+    """Whether the host lane steps now with these rows: while it pays (_keeps_up), always without device rows or
+    measurements, and after HOST_PROBE_STEPS device steps without a host step."""
     if not host_rows:
         return False
     if not _both_lanes_measured(device_rows, stats):
@@ -218,8 +182,7 @@ def host_step_pays(host_rows: list[Sequence], device_rows: int, stats: LaneStats
 
 
 def host_lane_keeps_up(host_rows: list[Sequence], device_rows: int, stats: LaneStats | None) -> bool:
-    """host_step_pays's comparison, without its probe and its record: whether the host lane with these rows makes
-    more tokens a second than it costs the device lane (True while that cannot be predicted yet)."""
+    """host_step_pays's comparison without its probe and record (True while not predictable yet)."""
     return not _both_lanes_measured(device_rows, stats) or _keeps_up(host_rows, stats) is not False
 
 
@@ -230,38 +193,27 @@ def _both_lanes_measured(device_rows: int, stats: LaneStats | None) -> bool:
 
 
 def _keeps_up(host_rows: list[Sequence], stats: LaneStats) -> bool | None:
-    """The host lane's predicted tokens a second with these rows against what it costs the device lane at the
-    measured slowdown (device tok/s x (1 - 1/slowdown)); None: not predictable yet."""
+    """Host-lane tok/s with these rows > device tok/s x (1 - 1/slowdown); None: not predictable yet."""
     rate = _host_rate([s.num_host_tokens for s in host_rows], stats)
     return None if rate is None else rate > stats.device_tok_s.value * (1 - 1 / stats.slowdown)
 
 
 def _host_rate(row_tokens: list[int], stats: LaneStats) -> float | None:
-    """Host-lane tokens per second with rows of these lengths (None: not predictable yet)."""
     seconds = stats.host_step_seconds(sum(row_tokens) * stats.kv_bytes_per_token)
     return None if seconds is None else len(row_tokens) / max(seconds, 1e-9)
 
 
-# Device room a promotion leaves for the next tokens of the device rows and of the promoted row (promotions()).
-# Why 64: docs/decisions/placement.md, "Promotion headroom".
+# Tokens of every device row (and the promoted one) the room left by a promotion must hold ("Promotion headroom").
 PROMOTION_HEADROOM_TOKENS = 64
-# How many more tokens a host row must have left than the device row it would displace, to move up past the
-# headroom (promotions()); a gap longer than any request's output turns swaps off.
-# Why 1: docs/decisions/placement.md, "Swaps".
+# Tokens more a host row must have left than the device row it displaces, to swap in; a gap longer than any output
+# turns swaps off ("Swaps").
 SWAP_GAP_TOKENS = 1
 
 
 def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: int = 0,
                stats: LaneStats | None = None, rotate: bool = False) -> Iterator[Sequence]:
-    """Host-tier sequences that the device pool can take now, most tokens left first (the oldest first among
-    equals), skipping those in flight or still in prefill, and split ones (whose parts stay). extra_room: blocks
-    about to free up, to ask which sequences will fit then. A row moves up only if the free room then still holds
-    PROMOTION_HEADROOM_TOKENS more tokens of every device row and of itself (or what is left of their budgets):
-    else it fills the room a demotion just freed and the device overflows again within a few steps.
-
-    With `rotate` (no request waits), a row the headroom keeps out moves up anyway when its next token fits and it
-    swaps in (_swaps_in): the device lane then keeps the rows furthest from their end, which hold the least KV, and
-    runs more rows in the same blocks. While requests wait, device room is theirs first (choose_tier)."""
+    """Host-tier sequences the device pool can take now (extra_room: blocks about to free up), most tokens left first,
+    leaving PROMOTION_HEADROOM_TOKENS of room; with `rotate`, also rows that swap in (_swaps_in)."""
     gpu = blocks.pool(GPU)
     running = list(running)
     ahead = lambda seq, tokens: gpu.blocks_for(min(len(seq) + tokens, seq.budget))
@@ -292,9 +244,8 @@ def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: in
 
 
 def _swaps_in(seq: Sequence, running: list[Sequence], promoted: set[int], stats: LaneStats | None) -> bool:
-    """Whether, with seq and the rows promoted before it on the device, the row the next demotion would take
-    (demotion_victims) is another row, with SWAP_GAP_TOKENS fewer tokens left than seq and no less KV: a swap that
-    leaves the device lane no fewer rows."""
+    """Whether, with seq and the rows promoted before it on the device, the next demotion would take another row,
+    with SWAP_GAP_TOKENS fewer tokens left than seq and no less KV."""
     on_device = lambda s: s.location == GPU or s.seq_id in promoted or s is seq
     device = [s for s in running if on_device(s) and not s.in_prefill]
     host = [s for s in running if not on_device(s) and s.location == CPU]

@@ -1,10 +1,6 @@
-"""One engine step's plan: what the scheduler decided, as one frozen object the engine carries out.
-
-Scheduler.plan makes it from a LaneState, the snapshot of what the lanes have in flight, so nothing in a plan waits
-on a lane: where a choice depends on one (whether the host lane steps, what the engine waits for when the device lane
-has no rows) the plan says which. LLMEngine._step carries it out in this order: the promotions' copies; then either
-the prefill step, or the host-lane step, the demotions' copies and the device-lane step (or, without device rows,
-the wait). docs/design.md, "One engine step, two decode lanes".
+"""One engine step's plan, made by Scheduler.plan from a LaneState and carried out by LLMEngine._step in this order:
+the promotions; then the prefill step, or the host-lane step, the demotions and the device-lane step (without device
+rows, the wait). docs/design.md, "One engine step, two decode lanes".
 """
 from dataclasses import dataclass
 from enum import Enum
@@ -21,7 +17,7 @@ class Wait(Enum):
     DEVICE_STEP = "device_step"  # the device-lane step queued last, whose tokens are not read yet
     PROMOTIONS = "promotions"  # promotions' copies: their rows are the device lane's next ones
     PREFILL_LANE = "prefill_lane"  # the prefill lane's step or its KV's landing, or the host step if sooner
-    HOST_STEP = "host_step"  # the host lane's step
+    HOST_STEP = "host_step"
 
 
 @dataclass(frozen=True)
@@ -30,11 +26,11 @@ class LaneState:
 
     host_step_in_flight: bool = False
     device_step_in_flight: bool = False  # async scheduling: the last device step's tokens are unread
-    promotions_landing: bool = False  # earlier promotions' copies are still crossing
+    promotions_landing: bool = False
     may_promote: bool = True  # a promotion can start now (no host step holds what its copy needs)
     promotions_sit_out: bool = False  # a promotion's copy lands after this step: its rows sit out both lanes till then
     hold_back_horizon: float | None = None  # device steps one host step spans (None: no promotion beside host steps)
-    prefill_lane: bool = False  # device-tier prompts prefill on another device (engine/disagg/)
+    prefill_lane: bool = False  # device-tier prompts prefill on another device
     prefill_lane_computing: bool = False  # a batch is on the prefill lane: no other prefill is scheduled
     prefill_lane_busy: bool = False  # ... or its KV is still crossing
 
@@ -44,10 +40,10 @@ class StepPlan:
     """A step is a prefill step (`prefill` has rows, nothing decodes) or a decode step (the rest)."""
 
     promotions: tuple[Move, ...] = ()  # host-tier rows moving into device blocks (split rows' growths too)
-    prefill: tuple[Sequence, ...] = ()  # prompt chunks this device runs now
+    prefill: tuple[Sequence, ...] = ()
     prefill_elsewhere: tuple[Sequence, ...] = ()  # prompt chunks for the prefill lane
-    host_rows: tuple[Sequence, ...] = ()  # a host-lane step to start now (the cost check let it)
-    device_rows: tuple[Sequence, ...] = ()  # the device-lane decode step
+    host_rows: tuple[Sequence, ...] = ()  # a host-lane step to start now
+    device_rows: tuple[Sequence, ...] = ()
     demotions: tuple[Move, ...] = ()  # device rows moving to host blocks, with their old device blocks
     first_freed_blocks: tuple[int, ...] = ()  # of those, the blocks the next steps may write: their copy goes first
     wait: Wait = Wait.NOTHING  # without device rows

@@ -1,11 +1,7 @@
-"""Continuous batching with chunked prefill on two KV tiers: the scheduler plans each engine step.
-
-A step is a prefill step (prompt chunks, up to `max_num_batched_tokens` tokens; prefill goes first, so new requests
-join as soon as a tier has room) or a decode step (one token for every running row of a lane). When a row's next token
-finds no room, a row on the same tier gives up its blocks: under "auto" a device row is demoted to the host tier where
-placement allows, else the newest is preempted and recomputed. Host rows move back up into device room before new
-requests take it. Rows in flight in a lane are never touched; no request is dropped. Which tier, and whether a move
-pays, is placement.py's to say; `plan` returns the step as one StepPlan (plan.py).
+"""Continuous batching with chunked prefill on two KV tiers: `Scheduler.plan` makes each engine step's StepPlan
+(docs/design.md, "One engine step, two decode lanes"). Prefill goes first, so new requests join as soon as a tier has
+room. A row whose next token finds no room makes a row on its tier give up its blocks: demoted where placement allows,
+else the newest is preempted and recomputed. Rows in flight are never touched; no request is dropped.
 """
 from collections import deque
 from collections.abc import Iterator
@@ -18,9 +14,8 @@ from offload_engine.engine.sched.placement import choose_tier, demotes, demotion
 from offload_engine.engine.sched.plan import LaneState, StepPlan, Wait
 from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequence, SequenceStatus
 
-# A demotion's copy beside the device lane lands within a step or two; the device rows start about rows / block_size
-# new blocks a step. The freed blocks for this many steps go out at once (their part of the copy first), the rest
-# once it has landed. docs/decisions/engine-step.md, "Demotion spare blocks".
+# Steps' worth of a demotion's freed blocks handed out at once (their part of the copy first), the rest once it has
+# landed. Why 3: docs/decisions/engine-step.md, "Demotion spare blocks".
 DEMOTION_SPARE_STEPS = 3
 
 
@@ -33,24 +28,23 @@ class Scheduler:
         self.kv_promotion = kv_promotion and kv_placement == "auto"
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
-        self.segment_tokens = segment_tokens  # of a layer-major prefill step (engine/runner/prefill_segment.py); 0: none
+        self.segment_tokens = segment_tokens  # of a layer-major prefill segment; 0: none
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order: the newest is preempted first
-        self.stats = stats  # the lanes' measured costs, for placement's cost check
+        self.stats = stats
         self.demotions: list[tuple[Sequence, list[int]]] = []  # made by schedule_decode, handed out by plan
         self.num_preemptions = 0
         self.num_promotions = 0
         self.num_demotions = 0
-        self.num_split_growths = 0  # split rows' device parts taking over host blocks
-        self.num_steps = 0  # device-lane schedules: the engine's steps, the clock admission holds are counted by
+        self.num_split_growths = 0
+        self.num_steps = 0  # device-lane schedules: the clock of admission holds
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
 
     def reset(self) -> None:
-        """Forgets every request (LLMEngine.abort)."""
         self.waiting.clear()
         self.running.clear()
         self.demotions = []
@@ -59,10 +53,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def plan(self, lanes: LaneState) -> StepPlan:
-        """This step's plan (engine/sched/plan.py): promotions first, then a prefill step if prompt chunks run on
-        this device, else the host lane's step if it pays, the device lane's rows and the demotions that make room
-        for them, and, without device rows, what to wait for. The stages below are public for tests; the engine
-        calls only this."""
+        """This step's plan. The stages below are public for tests; the engine calls only this."""
         moves = self.schedule_promotions() if lanes.may_promote else []
         if lanes.promotions_sit_out:
             for seq, _ in moves:
@@ -85,16 +76,13 @@ class Scheduler:
                         tuple(first), wait, tuple(idle_host_rows))
 
     def _host_rows_that_pay(self, hold_back_horizon: float | None) -> list[Sequence]:
-        """A host-lane step's rows if the cost check lets the lane step (placement.host_step_pays). Host rows that
-        device room frees up for within the horizon sit it out, where they could be promoted mid-step."""
+        """A host-lane step's rows if it pays, less the rows device room frees up for soon (promotion_hold_back)."""
         hold_back = frozenset() if hold_back_horizon is None else self.promotion_hold_back(hold_back_horizon)
         return self.schedule_decode(BlockLocation.CPU, hold_back=hold_back) if self.host_step_pays() else []
 
     def _wait_without_device_rows(self, lanes: LaneState, host_starts: bool, promoted: bool,
                                   prefill_elsewhere: bool) -> tuple[Wait, list[Sequence]]:
-        """What a step with no device rows waits for: the device step in flight, promotions' copies (their rows
-        decode on the device next), the prefill lane, or the host lane's step. A host lane the cost check held
-        back steps now, since there is no device lane to slow down."""
+        """What a step without device rows waits for, and the host rows the cost check held back, which step now."""
         if lanes.device_step_in_flight:
             return Wait.DEVICE_STEP, []
         if lanes.promotions_landing or (promoted and lanes.promotions_sit_out):
@@ -106,8 +94,7 @@ class Scheduler:
         return (Wait.HOST_STEP if host_busy or idle_rows else Wait.NOTHING), idle_rows
 
     def schedule_prefill(self) -> list[Sequence]:
-        """Prompt chunks for the next step (running prefills first, then admissions); empty if none. A prefill in
-        flight (its chunk on the prefill lane, or its KV crossing: engine/disagg/prefill_lane.py) waits until it is back."""
+        """Prompt chunks for the next step: running prefills not in flight first, then admissions."""
         self.blocks.pool(BlockLocation.GPU).reclaim()  # device blocks whose demotion copies have landed
         budget, batch = self.max_num_batched_tokens, []
         for seq in self.running:
@@ -130,10 +117,8 @@ class Scheduler:
         return batch
 
     def _take_chunk(self, seq: Sequence, budget: int) -> int:
-        """Schedules seq's next chunk within budget; returns its tokens. A sequence that attends through the
-        staging cache (host tier, or a split one past its device part) and would leave part of its prompt for
-        later takes a whole segment instead, alone in its step: a step's budget of tokens, run layer by layer
-        over as many as segment_tokens (engine/runner/prefill_segment.py), stages its prefix once, not once per chunk."""
+        """Schedules seq's next chunk within budget; returns its tokens. A staged sequence that would leave part of
+        its prompt for later takes, alone in its step, a layer-major segment of up to segment_tokens instead."""
         count = min(seq.num_uncomputed_tokens, budget)
         alone = budget == self.max_num_batched_tokens
         staged = seq.location == BlockLocation.CPU and seq.num_computed_tokens + count > seq.num_device_tokens
@@ -168,28 +153,21 @@ class Scheduler:
         return batch
 
     def host_step_pays(self) -> bool:
-        """Whether the host lane should step now (placement.host_step_pays), over its decodable rows."""
         decoding = [s for s in self.running if not s.in_prefill and s.status == SequenceStatus.RUNNING]
         host = [s for s in decoding if s.location == BlockLocation.CPU and not s.in_flight]
         device_rows = sum(s.location == BlockLocation.GPU for s in decoding)
         return placement.host_step_pays(host, device_rows, self.stats)
 
     def take_demotions(self, spare_blocks: int = 0) -> tuple[list[tuple[Sequence, list[int]]], list[int]]:
-        """The sequences schedule_decode demoted, each with the device blocks that still hold its KV, and which of
-        those blocks the device may write from the next step on: the ones this step took and `spare_blocks` more
-        (BlockPool.hand_out_held). The engine queues the copy of those before that step, and then binds the rest
-        to the copy's event (BlockPool.hold_until)."""
+        """The sequences schedule_decode demoted, each with the device blocks that still hold its KV, and those of
+        the blocks the device may write from the next step on: the ones this step took and `spare_blocks` more."""
         demotions, self.demotions = self.demotions, []
         first = self.blocks.pool(BlockLocation.GPU).hand_out_held(spare_blocks) if demotions else []
         return demotions, first
 
     def schedule_promotions(self) -> list[tuple[Sequence, list[int]]]:
-        """Host-tier sequences to move into the device pool now (engine/sched/placement.py picks them), each with the
-        host blocks that still hold its KV, and split rows whose device parts grow (a DevicePartGrowth each, with
-        the host blocks it takes over). Call before admitting new requests: host sequences take freed device
-        room first, as "gpu" re-admits its preempted sequences first. Sequences in the host step in flight are
-        passed over, so every one that fits moves at once (promotion_hold_back keeps the next ones out of the
-        host step)."""
+        """Host-tier sequences to move into the device pool now, each with the host blocks that still hold its KV,
+        then split rows' device parts that grow. Call before admissions: host rows take freed device room first."""
         if not self.kv_promotion:
             return []
         self.blocks.pool(BlockLocation.GPU).reclaim()
@@ -199,7 +177,6 @@ class Scheduler:
         for seq, _ in moves:
             seq.promoted = True
         self.num_promotions += len(moves)
-        # Then split rows' device parts grow into what is left (placement.split_growth); each growth is a move too.
         for seq in [s for s in self.running if s.is_split]:
             count = placement.split_growth(seq, self.blocks, self.running, self._could_join())
             if count:
@@ -208,10 +185,8 @@ class Scheduler:
         return moves
 
     def promotion_hold_back(self, horizon_steps: float) -> frozenset[int]:
-        """Host-tier sequences to keep out of the next host step because device-pool room for them frees up
-        before that step would be back: device-tier sequences within `horizon_steps` tokens of their budget
-        end by then. In the step they would have made one token; held back, they move up the moment the room
-        is there instead of a whole host step later, while the device lane runs dry."""
+        """Host-tier sequences to keep out of the next host step because device rows within `horizon_steps` tokens
+        of their end free room for them before it would be back: they move up at once, not a host step later."""
         if not self.kv_promotion:
             return frozenset()
         freeing = sum(len(s.block_table) for s in self.running
@@ -221,9 +196,7 @@ class Scheduler:
         return frozenset(s.seq_id for s in promotions(self.running, self.blocks, extra_room=freeing))
 
     def _demote_for_room(self) -> None:
-        """Frees the device blocks this step's rows need for their next tokens, by demoting device rows in
-        placement.demotion_victims's order. What the host pool cannot take is left to schedule_decode's
-        preemption of the newest row."""
+        """Demotes rows in demotion_victims' order until this step's rows fit; the rest is left to preemption."""
         pool = self.blocks.pool(BlockLocation.GPU)
         decoding = [s for s in self.running if not s.in_prefill and s.status == SequenceStatus.RUNNING]
         rows = [s for s in decoding if s.location == BlockLocation.GPU and not s.in_flight]
@@ -240,20 +213,16 @@ class Scheduler:
             needed -= needs[victim.seq_id]
 
     def _newest_on_tier(self, seq: Sequence) -> Sequence:
-        """The most recently admitted running sequence on seq's tier (seq itself if it is the newest)."""
         return next(s for s in reversed(self.running)
                     if s.location == seq.location and not s.in_flight and not s.in_prefill)
 
     def _could_join(self) -> Iterator[Sequence]:
-        """The waiting requests that could be running beside the current ones (max_num_seqs): those the cost
-        check counts as joining the host lane. Not the whole queue, which can be thousands long."""
+        """The waiting requests that could run beside the current ones (max_num_seqs), not the whole queue."""
         return islice(self.waiting, max(0, self.max_num_seqs - len(self.running)))
 
     def _make_room(self, victim: Sequence) -> None:
-        """Frees a decoding sequence's blocks on its tier: demoted to the host tier where placement says so,
-        else preempted."""
+        """Frees a decoding sequence's blocks on its tier: demoted where placement says so, else preempted."""
         if victim.location == BlockLocation.GPU and demotes(victim, self.kv_placement, self.blocks):
-            # Its device blocks are held for the copy (BlockPool.hold_until): the engine hands them out.
             self.demotions.append((victim, self.blocks.move(victim, BlockLocation.CPU, hold=True)))
             victim.demoted = True
             self.num_demotions += 1
@@ -283,9 +252,8 @@ class Scheduler:
         return finished
 
     def launched(self, batch: list[Sequence]) -> None:
-        """Records a device-lane decode step that was queued but not yet read (async scheduling): each row's
-        newest token now has KV, and the token it samples holds a PENDING_TOKEN place until resolve. The next
-        step can be scheduled over these rows at once: lengths and block needs are known; only eos is not."""
+        """Records a device-lane decode step queued but not yet read: each row's sampled token holds a PENDING_TOKEN
+        place until resolve, so the next step can be planned at once (only eos is unknown)."""
         for seq in batch:
             seq.num_computed_tokens += 1
             seq.token_ids.append(PENDING_TOKEN)
@@ -319,7 +287,6 @@ class Scheduler:
         return None
 
     def finish(self, seq: Sequence) -> None:
-        """Frees a sequence's blocks and takes it out of the queues."""
         if seq.location is not None:
             self.blocks.deallocate(seq)
         seq.status = SequenceStatus.FINISHED
@@ -330,7 +297,6 @@ class Scheduler:
 
 
 def prefills_on_lane(seq: Sequence) -> bool:
-    """Whether a prompt chunk runs on the prefill lane, where there is one: device-tier rows that are not split.
-    The others prefill on the decode device, as without the lane: their KV goes to the host pool, which only the
-    decode runner writes, and they attend through its staging cache."""
+    """Whether a prompt chunk runs on the prefill lane, where there is one: unsplit device-tier rows. The others
+    write the host pool, which only the decode runner does."""
     return seq.location == BlockLocation.GPU and not seq.is_split

@@ -1,8 +1,6 @@
-"""Host-pool writes queued on the host executor that nothing waits for yet.
-
-Host-tier prefill (the tokens the device does not write whole) and demotion without a mapped pool write host blocks
-on the executor. Every later reader of those blocks runs on the executor after them, so no step waits; a failed
-write is raised by the next check, and before a promotion reads host blocks the writes are settled.
+"""Host-pool writes queued on the host executor (host-tier prefill, staged demotions). Every later reader of those
+blocks runs on the executor after them, so no step waits; a failed write is raised by the next check, and the writes
+are settled before a promotion reads host blocks.
 """
 from concurrent.futures import Future
 

@@ -1,10 +1,5 @@
-"""Copies demoted sequences' KV from their device blocks into their new host blocks.
-
-`write_mapped` (CUDA, the pinned pool mapped): kernels.scatter_host_blocks writes the tokens straight into the
-head-major host blocks over PCIe. `copy_to_host` (any device): the device gathers them into host-block layout, one
-copy per group of layers takes them to a staging slot, and numba scatters them on the host executor, ahead of every
-later reader of those host blocks. Why: docs/decisions/tier-moves.md, "Demotions write the mapped pinned pool".
-"""
+"""Copies demoted sequences' KV from device blocks into new host blocks: `write_mapped` where the device addresses
+the pinned pool, else `copy_to_host`, staged (docs/design.md, "Moves between the tiers")."""
 import numpy as np
 import torch
 
@@ -18,8 +13,7 @@ from offload_engine.engine.tiers.slots import host_copy_plan, slots_for
 def copy_to_host(moves: list[tuple[Sequence, list[int]]], device_stacked: torch.Tensor, host_layers, executor,
                  device_block_size: int, staging: MoveStaging) -> list:
     """moves: (sequence, the device blocks holding its KV); each sequence's `block_table` already names its host
-    blocks and `num_computed_tokens` says how many tokens have KV. Returns the executor futures of the host
-    writes (callers need not wait: the module docstring says why)."""
+    blocks. Returns the executor futures of the host writes, which nothing need wait for (ExecutorWrites)."""
     block = host_layers[0][0][0]
     batches = split_moves(moves, block.shape[1], 2 * block.numel() * block.element_size())
     return [write for batch in batches
@@ -99,7 +93,7 @@ def _copy_batch(moves, device_stacked, host_layers, executor, device_block_size:
 
 def _scatter_layers(arrived, staged: torch.Tensor, host_layers, layers: range, targets: torch.Tensor) -> None:
     if arrived is not None:
-        arrived.synchronize()  # the device-to-host copy has landed
+        arrived.synchronize()
     for i, layer in enumerate(layers):
         for j, cache in enumerate(host_layers[layer]):
             scatter_blocks(staged[i, j], targets, cache)

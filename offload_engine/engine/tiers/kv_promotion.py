@@ -1,11 +1,5 @@
-"""Copies promoted sequences' KV from their host blocks into their new device blocks (token-major, transposed).
-
-`read_mapped` (CUDA, the pinned pool mapped): one kernel, kernels.gather_host_blocks, reads every layer's tokens
-straight from host memory into their new slots, on few programs so the device lane's step beside it keeps its SMs.
-`copy_to_device` (any device): per group of layers the executor gathers the blocks into a pinned staging slot (numba:
-cpu_attention/gather.py says why) and one copy takes them across. Why: docs/decisions/tier-moves.md, "Promotions
-read the mapped pinned pool, on 16 programs".
-"""
+"""Copies promoted sequences' KV from host blocks into new device blocks: `read_mapped` where the device addresses
+the pinned pool, else `copy_to_device`, staged (docs/design.md, "Moves between the tiers")."""
 from collections import deque
 
 import numpy as np
@@ -84,7 +78,7 @@ def _store_group(layers: range, slot: int, host_buffer, device_buffer, gathered,
     if device_buffer.device.type == "cuda":
         crossed = torch.cuda.Event()
         crossed.record()
-        staging.busy_until(slot, crossed)  # the host slot is free again once the copy has read it
+        staging.busy_until(slot, crossed)
     _store_tokens(token_slots[layers.start : layers.stop], device_buffer, rows, slots)
 
 

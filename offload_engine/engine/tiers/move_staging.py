@@ -1,6 +1,5 @@
-"""Reusable pinned staging for the staged moves between the tiers: NUM_SLOTS slots of GROUP_BYTES (host buffer and
-device twin), allocated once and reused round-robin. Moves are split so one group of layers fits a slot; a slot is
-handed out again only once whatever reads it (a CUDA event, or a Future for a host write) is done.
+"""Pinned staging for the staged moves between the tiers: NUM_SLOTS slots of GROUP_BYTES, allocated once and reused
+round-robin, each handed out again only once whatever reads it is done.
 Why: docs/decisions/tier-moves.md, "Move staging: four reusable 64 MiB slots".
 """
 import torch
@@ -64,9 +63,8 @@ class MoveStaging:
 
 
 def split_moves(moves: list, host_block_size: int, bytes_per_block: int, limit: int | None = None) -> list[list]:
-    """Consecutive batches of (sequence, blocks) moves whose KV, at bytes_per_block per host block (one layer's for
-    the staged copies, every layer's for LLMEngine's promotion groups), fits `limit`, GROUP_BYTES by default (a
-    sequence larger than that makes a batch of its own)."""
+    """Consecutive batches of (sequence, blocks) moves whose KV, at bytes_per_block per host block, fits `limit`
+    (GROUP_BYTES by default); a sequence larger than that makes a batch of its own."""
     limit = GROUP_BYTES if limit is None else limit
     batches, batch, batch_bytes = [], [], 0
     for move in moves:

@@ -1,7 +1,7 @@
 """One fixed pinned buffer, handed out in first-in-first-out regions, for host-tier prefill traffic and the moves'
-index lists (`upload`). When it is full the oldest regions are waited for (their host write, or the copy that
-reads them) and reused: the ring never grows, and that wait bounds how far host writes fall behind the device.
-Used from one thread only. Why: docs/decisions/tier-moves.md, "The pinned ring for host-tier prefill traffic".
+index lists. When full, the oldest regions are waited for and reused: the ring never grows, and that wait bounds how
+far host writes fall behind the device. One thread only.
+Why: docs/decisions/tier-moves.md, "The pinned ring for host-tier prefill traffic".
 """
 import math
 from collections import deque
@@ -18,7 +18,7 @@ class PinnedRing:
         self.pin = pin
         self.buffer = torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
         self.capacity = nbytes
-        self.head = 0  # where the next region starts
+        self.head = 0
         self.regions: deque[list] = deque()  # [start, end, done], oldest first; they lie between tail and head
 
     def take(self, shape: tuple[int, ...], dtype: torch.dtype) -> tuple[torch.Tensor, list | None]:

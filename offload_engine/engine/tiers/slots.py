@@ -1,5 +1,4 @@
-"""Slot arithmetic shared by a step's inputs and the moves between the tiers: a token's cache slot is
-block_id * block_size + offset in its tier's pool."""
+"""Slot arithmetic shared by a step's inputs and the moves between the tiers."""
 import numpy as np
 
 
@@ -12,9 +11,8 @@ def slots_for(block_table: list[int], block_size: int, start: int, end: int, fir
 
 def host_copy_plan(moves: list[tuple[int, list[int], list[int]]], host_block_size: int,
                    device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """What kernels.host_block_copies takes for moves of (tokens, host blocks, device blocks), token t of a move
-    at position t of both: the host blocks in order, each token's row among them (a move's rows start at its
-    first host block's place), and its device slot. Promotions and demotions alike."""
+    """For moves of (tokens, host blocks, device blocks), promotions or demotions, what kernels.host_block_copies
+    takes: the host blocks in order, each token's row among them, and its device slot."""
     blocks, rows, slots = [], [], []
     for num_tokens, host_blocks, device_blocks in moves:
         rows.append(len(blocks) * host_block_size + np.arange(num_tokens))

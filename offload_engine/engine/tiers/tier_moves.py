@@ -1,7 +1,5 @@
-"""Where and when a runner's moves between the tiers run: which stream each copy queues on, and what waits for it.
-
-How the KV crosses is kv_promotion.py's and kv_demotion.py's to say; this is the runner's side of it (ModelRunner
-promote, demote and demotes_beside_device_lane call here), kept apart from the runner's steps.
+"""Where and when a runner's moves between the tiers run: which stream each copy queues on, and what waits for it
+(docs/design.md, "Moves between the tiers"). How the KV crosses is kv_promotion.py's and kv_demotion.py's to say.
 """
 import os
 
@@ -13,10 +11,9 @@ from offload_engine.engine.sequence import Sequence
 
 
 def promote(runner, moves: list[tuple[Sequence, list[int]]]):
-    """Copies promoted sequences' KV from their old host blocks into their new device blocks. Where the device reads
-    the pinned pool directly, the reads are queued on the moves stream and their CUDA event is returned: the rows
-    must not decode before it, nor may anything write their old host blocks (handed out again at once) or reuse
-    their new device blocks by prefix (registered already). Otherwise the copy is done on return: None."""
+    """Copies promoted sequences' KV from their old host blocks into their new device blocks: on the moves stream
+    where the device reads the pinned pool, returning the reads' event, before which nothing may decode the rows or
+    write their old or new blocks; else done on return (None)."""
     mapped = runner.host_pool.device_stacked()
     if mapped is None:
         with torch.inference_mode(), runner.lane_stream("device"):
@@ -35,27 +32,21 @@ def promote(runner, moves: list[tuple[Sequence, list[int]]]):
 
 
 def promotes_beside_device_lane(runner) -> bool:
-    """Whether promote's copy runs beside the device lane and lands after it returns (it returns the copy's event):
-    where the device reads the pinned pool directly."""
+    """Whether promote's copy lands after it returns (it returns the copy's event): where the device reads the pool."""
     return runner.host_pool is not None and runner.host_pool.device_stacked() is not None
 
 
 def demotes_beside_device_lane(runner) -> bool:
-    """Whether demote runs its copy beside the device lane's next steps (it takes first_blocks): where the
-    device writes the pinned pool directly. OFFLOAD_ENGINE_DEMOTE_BESIDE=0 queues it in front of the next step
-    instead (for side-by-side measurement)."""
+    """Whether demote's copy runs beside the device lane's next steps: where the device writes the pinned pool.
+    OFFLOAD_ENGINE_DEMOTE_BESIDE=0 queues it in front of the next step instead (for A/B measurement)."""
     return (runner.moves_stream is not None and runner.host_pool is not None
             and runner.host_pool.device_stacked() is not None
             and os.environ.get("OFFLOAD_ENGINE_DEMOTE_BESIDE", "1") != "0")
 
 
 def demote(runner, moves: list[tuple[Sequence, list[int]]], first_blocks: list[int] | None = None):
-    """Copies demoted sequences' KV from their old device blocks into their new host blocks; returns once queued.
-    Host readers of host blocks wait for direct writes (HostPoolAccesses.wait_writes); staged ones finish on the
-    executor, ahead of every such reader. With first_blocks (demotes_beside_device_lane) the copy runs on the moves
-    stream: the old blocks the next steps may write cross first and the device lane waits for them alone; the
-    whole copy's event is returned, and the other old blocks stay held until it (BlockPool.hold_until). Otherwise
-    the copy is queued in front of the device lane's next step: None."""
+    """Copies demoted sequences' KV from their old device blocks into their new host blocks; returns once queued. With
+    first_blocks, on the moves stream, those first, returning the copy's event; else before the next step (None)."""
     mapped = runner.host_pool.device_stacked()
     if first_blocks is not None and demotes_beside_device_lane(runner):
         device_lane, moves_stream = runner.streams["device"], runner.moves_stream
@@ -66,8 +57,7 @@ def demote(runner, moves: list[tuple[Sequence, list[int]]], first_blocks: list[i
             device_lane.wait_event(crossed)
 
         with torch.inference_mode(), torch.cuda.stream(moves_stream):
-            # The steps queued so far write these rows' last tokens; promotions' reads of host blocks are
-            # queued on this stream already.
+            # The steps queued so far write these rows' last tokens (promotions' reads are on this stream already).
             moves_stream.wait_stream(device_lane)
             runner.accesses.after_prefill_writes()  # the host blocks may be ones an aborted prefill still writes
             write_mapped(moves, runner.device_stacked, mapped, runner.cfg.block_size, runner.upload, first_blocks,
@@ -80,6 +70,6 @@ def demote(runner, moves: list[tuple[Sequence, list[int]]], first_blocks: list[i
             runner.executor_writes.add(copy_to_host(moves, runner.device_stacked, runner.host_pool.layers,
                                                     runner.executor, runner.cfg.block_size, runner.move_staging))
             return None
-        write_mapped(moves, runner.device_stacked, mapped, runner.cfg.block_size, runner.upload)  # one kernel
+        write_mapped(moves, runner.device_stacked, mapped, runner.cfg.block_size, runner.upload)
         runner.accesses.record("demotion_writes")
         return None

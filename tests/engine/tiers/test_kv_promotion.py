@@ -154,10 +154,13 @@ class _SlowCopy:
 @pytest.mark.parametrize("group_bytes", [1, 1 << 40])  # a copy per sequence, or every promotion of a step in one
 def test_promoted_sequences_sit_out_both_lanes_until_their_copy_lands(qwen3_dir, polls, group_bytes, monkeypatch):
     from offload_engine.engine import llm_engine
+    from offload_engine.engine.runner.model_runner import ModelRunner
 
     monkeypatch.setattr(llm_engine, "PROMOTION_GROUP_BYTES", group_bytes)
-    # CUDA promotions copy beside the device lane's steps (ModelRunner.promote returns their event); here the event
-    # is made to report the copy running for longer (on CPU the copy itself is synchronous).
+    # CUDA promotions copy beside the device lane's steps (ModelRunner.promote returns their event, and the runner
+    # says so before the step is planned); here the event is made to report the copy running for longer (on CPU the
+    # copy itself is synchronous, and the runner is made to say it is not).
+    monkeypatch.setattr(ModelRunner, "promotes_beside_device_lane", True)
     llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
               cpu_block_size=16)
     engine, copies = llm.engine, []
