@@ -1,9 +1,9 @@
 """Rank 0's handle on the worker processes (docs/decisions/multi-gpu.md): per worker a pipe per lane (its calls in
 order, the answers to those that ask) and a report pipe a watcher thread reads. Every wait has a timeout. Workers are
 spawned: a script that makes a TP LLM must guard its top level with `if __name__ == "__main__":`."""
+import json
 import multiprocessing
 import os
-import json
 import shutil
 import signal
 import tempfile

@@ -6,8 +6,8 @@ import time
 import torch
 from torch import nn
 
-from offload_engine.layers.host_block_writes import write_host_blocks
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
+from offload_engine.layers.host_block_writes import write_host_blocks
 
 
 class Attention(nn.Module):

@@ -7,8 +7,8 @@ import torch
 from offload_engine import LLM, SamplingParams
 from offload_engine.engine.runner.deferred_tokens import DeferredTokens
 from offload_engine.engine.runner.input_batch import DecodeInputBatch
-from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequence
 from offload_engine.engine.runner.step_inputs import StepInputBuilder
+from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequence
 from tests.conftest import TEST_DEVICE, requires_cuda
 from tests.oracle import hf_greedy, random_prompts
 

@@ -7,8 +7,8 @@ backend the engine picks on TEST_DEVICE (the torch path on the CPU, the Triton k
 import torch
 
 from cpu_attention import CpuAttentionExecutor
-from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.runner.step_inputs import StepInputBuilder
+from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.attention import Attention
 from offload_engine.layers.attention_backends import select_backend
 from offload_engine.sampling_params import SamplingParams

@@ -5,8 +5,7 @@ import pytest
 import torch
 
 from offload_engine.layers import torch_attention
-from tests.reference import (attention_reference, on_test_device, paged_decode_reference, random_paged_kv,
-                             relative_error)
+from tests.reference import attention_reference, on_test_device, paged_decode_reference, random_paged_kv, relative_error
 
 
 @pytest.mark.parametrize("group", [1, 4])

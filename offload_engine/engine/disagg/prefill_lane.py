@@ -11,9 +11,9 @@ from dataclasses import dataclass
 
 import torch
 
-from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.disagg.kv_handoff import KVHandoff
 from offload_engine.engine.runner.model_runner import ModelRunner
+from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 

@@ -2,8 +2,8 @@
 and DeferredTokens out, without waiting for the GPU (async scheduling, engine/llm_engine.py)."""
 import torch
 
-from offload_engine.engine.runner.deferred_tokens import DeferredTokens, SampledIdBuffers
 from offload_engine.engine.graphs.graph_dispatch import GraphMode
+from offload_engine.engine.runner.deferred_tokens import DeferredTokens, SampledIdBuffers
 from offload_engine.engine.runner.input_batch import DecodeInputBatch
 from offload_engine.engine.sequence import Sequence
 from offload_engine.layers.sampler import sample

@@ -69,8 +69,8 @@ def profile_free_kv_bytes(runner) -> int:
 def claim_blas_workspaces(runner) -> None:
     """Runs one small product on each stream the lanes use, so that cuBLAS makes each stream's workspace (kept for
     the process) now, and the profile counts it as used."""
-    from offload_engine.engine.runner.cuda_streams import engine_stream
     from offload_engine.engine.graphs.host_step_graphs import few_sms
+    from offload_engine.engine.runner.cuda_streams import engine_stream
 
     lanes = [("device", False), ("capture-device", False)]
     if runner.host_pool is not None:

@@ -13,25 +13,24 @@ from kernels.host_block_copies import compile_host_block_copies
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
-from offload_engine.engine.tiers import tier_moves
+from offload_engine.engine.graphs.graph_dispatch import GraphDispatcher, GraphMode
+from offload_engine.engine.graphs.prefill_graphs import capture_prefill_graphs
 from offload_engine.engine.runner.cuda_streams import engine_stream
 from offload_engine.engine.runner.deferred_tokens import DeferredTokens
 from offload_engine.engine.runner.device_decode import DeviceLaneDecode
-from offload_engine.engine.graphs.graph_dispatch import GraphDispatcher, GraphMode
+from offload_engine.engine.runner.memory_profile import (allocate_device_pool, layer_views, reserve_step_memory,
+                                                         size_device_pool)
+from offload_engine.engine.runner.prefill_segment import run_segment, segment_capacity, segment_inputs
+from offload_engine.engine.runner.step_inputs import StepInputBuilder
+from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.engine.tiers import tier_moves
 from offload_engine.engine.tiers.executor_writes import ExecutorWrites
 from offload_engine.engine.tiers.host_pool_accesses import HostPoolAccesses
-from offload_engine.engine.runner.memory_profile import (allocate_device_pool, layer_views, reserve_step_memory,
-                                                  size_device_pool)
 from offload_engine.engine.tiers.move_staging import MoveStaging
 from offload_engine.engine.tiers.pinned_ring import PinnedRing
-from offload_engine.engine.graphs.prefill_graphs import capture_prefill_graphs
-from offload_engine.engine.runner.prefill_segment import run_segment, segment_capacity, segment_inputs
-from offload_engine.engine.sequence import BlockLocation, Sequence
-from offload_engine.engine.runner.step_inputs import StepInputBuilder
 from offload_engine.layers.attention_backends import select_backend
 from offload_engine.layers.sampler import SamplingBatch, sample
 from offload_engine.loader import build_model
-
 
 
 class ModelRunner:

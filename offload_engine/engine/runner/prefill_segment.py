@@ -7,8 +7,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from offload_engine.layers.host_block_writes import HostBlockWrites
 from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.layers.host_block_writes import HostBlockWrites
 
 SEGMENT_MEMORY_SHARE = 0.5  # of the device memory free after start-up that segments may hold
 SEGMENT_MEMORY_MARGIN = 1 << 30  # left free besides one layer's staging cache at max_model_len

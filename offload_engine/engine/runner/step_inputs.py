@@ -7,11 +7,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from offload_engine.layers.host_block_writes import HostBlockWrites, plan_host_block_writes
+from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.tiers.pinned_ring import PinnedRing
 from offload_engine.engine.tiers.slots import slots_for
-from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
+from offload_engine.layers.host_block_writes import HostBlockWrites, plan_host_block_writes
 from offload_engine.layers.sampler import SamplingBatch, sampling_keys
 
 STAGING_BYTES = 16 << 20  # a prefill's inputs at max_num_batched_tokens=16k are ~0.5 MB; larger ones pin once

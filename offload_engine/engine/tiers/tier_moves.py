@@ -5,9 +5,9 @@ import os
 
 import torch
 
+from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.tiers.kv_demotion import copy_to_host, write_mapped
 from offload_engine.engine.tiers.kv_promotion import copy_to_device, read_mapped
-from offload_engine.engine.sequence import Sequence
 
 
 def promote(runner, moves: list[tuple[Sequence, list[int]]]):

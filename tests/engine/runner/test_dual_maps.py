@@ -1,8 +1,8 @@
 """The runner's AttentionMetadata is exactly DESIGN.md's table: one set of maps per tier, the other masked."""
 import torch
 
-from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.runner.step_inputs import StepInputBuilder
+from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.sampling_params import SamplingParams
 from tests.conftest import TEST_DEVICE
 

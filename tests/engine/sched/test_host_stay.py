@@ -4,11 +4,12 @@ import math
 import pytest
 
 from offload_engine import SamplingParams
+from offload_engine.engine.sched import placement
 from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sched.host_stay import promotion_delays, promotion_order
 from offload_engine.engine.sched.lane_stats import LaneStats
-from offload_engine.engine.sched import placement
-from offload_engine.engine.sched.placement import PROMOTION_HEADROOM_TOKENS, PROMOTION_HOLD_STEPS, choose_tier, promotions
+from offload_engine.engine.sched.placement import (PROMOTION_HEADROOM_TOKENS, PROMOTION_HOLD_STEPS, choose_tier,
+                                                   promotions)
 from offload_engine.engine.sequence import BlockLocation, Sequence
 
 GPU, CPU = BlockLocation.GPU, BlockLocation.CPU

@@ -4,13 +4,12 @@ import torch
 
 from cpu_attention import CpuAttentionExecutor
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine.tiers import kv_demotion
-from offload_engine.engine.tiers import kv_promotion
+from offload_engine.engine.runner.memory_profile import layer_views
 from offload_engine.engine.sched import placement
 from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence
+from offload_engine.engine.tiers import kv_demotion, kv_promotion
 from offload_engine.engine.tiers.move_staging import MoveStaging
-from offload_engine.engine.runner.memory_profile import layer_views
 from tests.conftest import TEST_DEVICE
 from tests.engine.tiers.test_kv_promotion import _tokens_of
 from tests.oracle import hf_greedy, random_prompts

@@ -4,11 +4,11 @@ import torch
 
 from cpu_attention import CpuAttentionExecutor
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine.tiers import kv_promotion
-from offload_engine.engine.tiers.move_staging import MoveStaging
+from offload_engine.engine.runner.memory_profile import layer_views
 from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
-from offload_engine.engine.runner.memory_profile import layer_views
+from offload_engine.engine.tiers import kv_promotion
+from offload_engine.engine.tiers.move_staging import MoveStaging
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
