@@ -1,4 +1,4 @@
-"""Two engines on two devices in one process (DESIGN.md, "More than one GPU"): each owns its model, RoPE caches,
+"""Two engines on two devices in one process (docs/design.md, "More than one GPU"): each owns its model, RoPE caches,
 pools and streams on the device it was given, whatever device is current, and their outputs are transformers'.
 
 On a host with two GPUs the engines take cuda:0 and cuda:1 and the current device is set to the *other* one

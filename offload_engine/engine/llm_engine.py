@@ -116,8 +116,8 @@ class LLMEngine:
         move_seconds += self._demote(plan)
         moved = (plan.moved_tokens, move_seconds)
         if plan.device_rows:
-            finished += self._device_decode_step(list(plan.device_rows), moved, copying=bool(plan.promotions
-                                                                                            or plan.demotions))
+            copying = bool(plan.promotions or plan.demotions)
+            finished += self._device_decode_step(list(plan.device_rows), moved, copying)
             num_tokens += len(plan.device_rows)
         else:
             if moved[0]:

@@ -1,6 +1,6 @@
 """The split attention layer on a mixed decode batch: each row attends on its own tier, in batch order.
 
-The engine's lanes keep decode batches single-tier, but the layer's contract (DESIGN.md's masked dual maps)
+The engine's lanes keep decode batches single-tier, but the layer's contract (docs/design.md, "The dual maps")
 covers mixed batches too, and prefill batches are mixed; this checks the decode merge path directly, with the
 backend the engine picks on TEST_DEVICE (the torch path on the CPU, the Triton kernels on CUDA).
 """

@@ -53,7 +53,9 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def plan(self, lanes: LaneState) -> StepPlan:
-        """This step's plan. The stages below are public for tests; the engine calls only this."""
+        """This step's plan: promotions first; then a prefill step if prompt chunks run on this device, else the host
+        lane's rows if its step pays, the device rows and the demotions that make room for them, and, without device
+        rows, what to wait for. The stages below are public for tests; the engine calls only this."""
         moves = self.schedule_promotions() if lanes.may_promote else []
         if lanes.promotions_sit_out:
             for seq, _ in moves:

@@ -1,4 +1,5 @@
-"""The runner's AttentionMetadata is exactly DESIGN.md's table: one set of maps per tier, the other masked."""
+"""The runner's AttentionMetadata is exactly docs/design.md's table ("The dual maps"): one set of maps per tier, the
+other masked."""
 import torch
 
 from offload_engine.engine.runner.step_inputs import StepInputBuilder
