@@ -91,3 +91,36 @@ def test_demo_exits_1_and_says_where_a_request_differs(text_model_dir, monkeypat
     out = capsys.readouterr().out
     assert "3/4 requests match" in out
     assert "request 1 " in out and "first differs at new token 0" in out
+
+
+def test_bench_runs_the_suite_of_the_checkout_as_its_own_program(monkeypatch, tmp_path):
+    """`bench` runs benchmarks/bench_throughput.py from the source checkout in a process of its own (the package does
+    not import benchmarks/), with the out dir made absolute, and exits 1 when the suite fails."""
+    import subprocess
+    from pathlib import Path
+
+    calls = []
+
+    def fake_run(command, env):
+        calls.append((command, env))
+        return subprocess.CompletedProcess(command, returncode=len(calls) - 1)
+
+    monkeypatch.setattr(subprocess, "run", fake_run)
+    monkeypatch.chdir(tmp_path)
+    main(["bench", "--workloads", "a", "--out-dir", "out"])
+    with pytest.raises(SystemExit) as exit_info:
+        main(["bench"])
+    assert exit_info.value.code == 1
+    command, env = calls[0]
+    root = Path(__file__).resolve().parent.parent
+    assert command[1:] == ["-m", "benchmarks.bench_throughput", "suite", "--profile", "small", "--workloads", "a",
+                           "--out-dir", str(tmp_path / "out")]
+    assert str(root) in env["PYTHONPATH"].split(":")
+
+
+def test_bench_without_a_source_checkout_is_one_line(monkeypatch, capsys, tmp_path):
+    from offload_engine import cli
+
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "offload_engine" / "cli.py"))
+    line = _user_error(capsys, ["bench"])
+    assert "source checkout" in line

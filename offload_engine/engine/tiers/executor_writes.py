@@ -22,11 +22,13 @@ class ExecutorWrites:
             write.result()
 
     def check(self, wait: bool = False) -> None:
-        """Raises the error of a write that has failed (with wait, once every write has finished); the writes
-        still running stay. After an error the writes behind it are dropped: the call they belong to failed."""
+        """Raises the error of a write that has failed (with wait: settle); the writes still running stay. After an
+        error the writes behind it are dropped: the call they belong to failed."""
+        if wait:
+            return self.settle()
         writes, self._writes = self._writes, []
         for write in writes:
-            if wait or write.done():
+            if write.done():
                 write.result()
             else:
                 self._writes.append(write)
