@@ -12,8 +12,10 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
-def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **llm_kwargs) -> dict:
-    """Output and total tok/s of generating output_lens[i] tokens (ignore_eos) after prompts[i]."""
+def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *, lane_stats_before: bool = False,
+            **llm_kwargs) -> dict:
+    """Output and total tok/s of generating output_lens[i] tokens (ignore_eos) after prompts[i]. lane_stats_before:
+    also give the lane stats as they stood right before the timed call ("lane_stats_before"), for deltas over it."""
     start = time.perf_counter()
     llm = LLM(model_dir, **llm_kwargs)
     startup = time.perf_counter() - start
@@ -29,6 +31,7 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **
     scheduler = llm.engine.scheduler
     moves_before = (scheduler.num_preemptions, scheduler.num_promotions, scheduler.num_demotions)
     lanes_before = dict(llm.engine.decoded_by_lane)
+    stats_before = llm.engine.stats.snapshot() if lane_stats_before else None
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in output_lens]
     steps = []
     engine_step = llm.engine.step
@@ -59,6 +62,8 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], **
         "kv_bytes_per_token": llm.model_config.kv_bytes_per_token(llm.dtype),
         "prefill_segment_tokens": runner.segment_tokens,  # of a host-tier or split prompt's layer-major step
     }
+    if lane_stats_before:
+        result["lane_stats_before"] = stats_before
     llm.close()
     del llm
     if torch.cuda.is_available():

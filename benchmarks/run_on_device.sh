@@ -120,6 +120,15 @@ case "${1:-check}" in
       done
     done
     ;;
+  long-context-c)  # one 262,144-token context (0.6B shape): auto with and without streaming, cpu, transformers
+    # offloaded, against the ceilings measured first (bench_long_context.py, within --deadline-s 540); LC_FLAGS:
+    # e.g. --skip-peer
+    step long_context_c 570 python3 -m benchmarks.bench_long_context --workload c --out-dir "$OUT" ${LC_FLAGS:-}
+    ;;
+  long-context-8b)  # 8B shape, 8 x (32,768 + 256) at a 24 GB card's 3,296 blocks: the same runs; the cpu run is
+    # skipped (and recorded) when too little time is left, the peer takes what is left. LC_FLAGS: e.g. --skip-cpu
+    step long_context_8b 570 python3 -m benchmarks.bench_long_context --workload batch8b --out-dir "$OUT" ${LC_FLAGS:-}
+    ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
     step multi_gpu_pd 450 python3 -m benchmarks.bench_multi_gpu --entries pd --out-dir "$OUT"

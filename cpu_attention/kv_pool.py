@@ -73,6 +73,11 @@ class HostKVPool:
         """Blocks until pinning has finished; returns the seconds it took (0 when not pinned)."""
         return self._pinning.wait() if self._pinning is not None else 0.0
 
+    @property
+    def device_can_address(self) -> bool:
+        """Whether device_stacked() is (or, once pinning ends, will be) available: known before pinning ends."""
+        return self._pinning is not None and bool(self._pinning.driver.can_use_host_pointer(self._pinning.device_index))
+
     def device_stacked(self) -> torch.Tensor | None:
         """`stacked` as a CUDA tensor over this pinned memory, or None where that is not possible (not pinned, or
         a device that cannot use the host pointer). It owns nothing: valid until close()."""

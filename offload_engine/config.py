@@ -121,6 +121,8 @@ class EngineConfig:
     seed: int = 0
     tensor_parallel_size: int = 1
     prefill_device: str | None = None
+    stream_host_kv: bool = True
+    stream_staging_gb: float = 1.0
 
     def validate(self) -> None:
         if self.device is None:
@@ -141,7 +143,7 @@ class EngineConfig:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
         if self.kv_placement not in KV_PLACEMENTS:
             raise ValueError(f"kv_placement must be one of {KV_PLACEMENTS}, got {self.kv_placement!r}")
-        for name in ("kv_promotion", "async_scheduling", "enforce_eager", "enable_prefix_caching"):
+        for name in ("kv_promotion", "async_scheduling", "enforce_eager", "enable_prefix_caching", "stream_host_kv"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.attention_backend not in ATTENTION_BACKENDS:
@@ -164,6 +166,9 @@ class EngineConfig:
         if not _is_int(self.prefill_graph_tokens) or self.prefill_graph_tokens < 0:
             raise ValueError(f"prefill_graph_tokens must be an int >= 0 (0: eager prefill), got "
                              f"{self.prefill_graph_tokens!r}")
+        if isinstance(self.stream_staging_gb, bool) or not isinstance(self.stream_staging_gb, (int, float)) \
+                or not self.stream_staging_gb >= 0:
+            raise ValueError(f"stream_staging_gb must be a number >= 0 (0: no streaming), got {self.stream_staging_gb!r}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
 

@@ -21,7 +21,8 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
                  attention_backend: str = "auto", seed: int = 0, model: str | None = None,
                  prefill_segment_tokens: int | None = None, async_scheduling: bool = True,
-                 tensor_parallel_size: int = 1, prefill_device: str | None = None, prefill_graph_tokens: int = 8192):
+                 tensor_parallel_size: int = 1, prefill_device: str | None = None, prefill_graph_tokens: int = 8192,
+                 stream_host_kv: bool = True, stream_staging_gb: float = 1.0):
         """`model=` is accepted as vLLM spells it; `model_dir` (first positional) is the same thing.
 
         kv_placement: "gpu", "cpu" or "auto". kv_promotion (auto only): once the device pool has room that no waiting
@@ -31,6 +32,9 @@ class LLM:
         are prefilled there and decoded on `device`. prefill_graph_tokens: prefill steps of device-tier rows up to this
         many tokens (at most max_num_batched_tokens) replay CUDA graphs, whose memory comes out of the KV pool's share;
         0 runs prefill eagerly. async_scheduling: the device lane queues its next step before reading this one's tokens.
+        stream_host_kv: a host step also streams a share of its rows' host KV over PCIe and attends it on the device,
+        beside the CPU kernel (False: the CPU kernel reads all of it); stream_staging_gb: the device memory that
+        streaming's double-buffered staging takes, at most (it comes out of the KV pool's share).
         """
         model = model_dir if model_dir is not None else model
         if model is None:
@@ -44,7 +48,8 @@ class LLM:
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
             attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
-            prefill_device=prefill_device, prefill_graph_tokens=prefill_graph_tokens)
+            prefill_device=prefill_device, prefill_graph_tokens=prefill_graph_tokens, stream_host_kv=stream_host_kv,
+            stream_staging_gb=stream_staging_gb)
         self.config.validate()
         if not os.path.isdir(model):
             raise OSError(f"model directory {model!r} does not exist: pass a Hugging Face model directory "

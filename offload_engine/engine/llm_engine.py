@@ -15,6 +15,7 @@ from offload_engine.engine.sched.lane_stats import LaneStats
 from offload_engine.engine.sched.placement import can_ever_fit
 from offload_engine.engine.sched.plan import LaneState, Move, StepPlan, Wait
 from offload_engine.engine.sched.scheduler import Scheduler
+from offload_engine.engine.sched.stream_share import StreamShare
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.tiers.move_staging import split_moves
 
@@ -33,10 +34,13 @@ class StepStats:
 
 class LLMEngine:
     def __init__(self, cfg: EngineConfig, max_model_len: int, runner, scheduler: Scheduler, stats: LaneStats,
-                 host_lane=None, prefill: PrefillLane | None = None, clock=time.perf_counter):
+                 host_lane=None, prefill: PrefillLane | None = None, clock=time.perf_counter,
+                 stream: StreamShare | None = None):
         """An engine of parts that exist already (`load` makes them; the placement replay passes fakes for the
-        runner, the host lane and the clock). runner: a ModelRunner, or under tensor parallelism rank 0's."""
+        runner, the host lane and the clock). runner: a ModelRunner, or under tensor parallelism rank 0's.
+        stream: how much host KV a host step streams to the device (None: none)."""
         self.cfg, self.max_model_len = cfg, max_model_len
+        self.stream = stream or StreamShare(0, cfg.cpu_block_size)
         self.runner, self.scheduler, self.blocks, self.stats = runner, scheduler, scheduler.blocks, stats
         self.host_lane = host_lane or ThreadPoolExecutor(max_workers=1, thread_name_prefix="host-lane")
         self.prefill = prefill
@@ -69,7 +73,8 @@ class LLMEngine:
         except BaseException:
             runner.close()
             raise
-        engine = cls(cfg, max_model_len, runner, scheduler, stats, prefill=prefill)
+        engine = cls(cfg, max_model_len, runner, scheduler, stats, prefill=prefill,
+                     stream=StreamShare(runner.stream_capacity_blocks, cfg.cpu_block_size))
         gc_heap.freeze_after_start_up()
         engine.froze_heap = True
         return engine
@@ -257,13 +262,26 @@ class LLMEngine:
         self.in_flight = (batch, self.host_lane.submit(self._host_step, batch))
 
     def _host_step(self, batch: list[Sequence]) -> list[int]:
-        """One host-lane decode step, on the host lane's thread, timed for the cost check."""
+        """One host-lane decode step, on the host lane's thread, timed for the cost check: its rows' host KV read
+        by the CPU kernel, and a share of it streamed to the device (docs/design.md, "Streaming host KV")."""
         began = self.clock()
-        tokens = self.runner.decode_host(batch)
+        streamed = self.stream.blocks(batch, self.stream.share(self.stats))
+        tokens = self.runner.decode_host(batch, streamed) if any(streamed) else self.runner.decode_host(batch)
         self.host_step_seconds = self.clock() - began
+        kernel_seconds = self.runner.host_kernel_seconds["host"]
         self.stats.host_step(sum(map(len, batch)) * self.stats.kv_bytes_per_token, self.host_step_seconds,
-                             self.runner.host_kernel_seconds["host"])
+                             kernel_seconds)
+        self._count_host_reads(batch, streamed, kernel_seconds)
         return tokens
+
+    def _count_host_reads(self, batch: list[Sequence], streamed: list[int], kernel_seconds: float) -> None:
+        """Each path's bytes and seconds to LaneStats, which sets the next step's share from them. The rows' lengths
+        are as the step ran: they take their new tokens only on the engine's thread."""
+        per_token, block = self.stats.kv_bytes_per_token or 0, self.stream.block_size
+        streamed_tokens = sum(streamed) * block
+        kernel_tokens = sum(seq.num_host_tokens for seq in batch) - streamed_tokens
+        stream_seconds = self.runner.last_stream_seconds if any(streamed) else None
+        self.stats.host_reads(kernel_tokens * per_token, kernel_seconds, streamed_tokens * per_token, stream_seconds)
 
     def _take_host_step(self, wait: bool) -> tuple[list[Sequence], int]:
         """Postprocesses the host lane's step if it is back (or, with wait, once it is)."""

@@ -6,7 +6,7 @@ import time
 import torch
 from torch import nn
 
-from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
+from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging, StreamedKV
 from offload_engine.layers.host_block_writes import write_host_blocks
 
 
@@ -22,6 +22,7 @@ class Attention(nn.Module):
         self.ring = None  # CUDA: a PinnedRing for host-tier prefill traffic, whose K/V cross on copy_stream
         self.copy_stream = None
         self.k_cache_mapped = self.v_cache_mapped = None  # the host pool as the device addresses it, or None
+        self.host_kv_mapped = None  # this layer's K and V of it, [2, blocks, Hkv, cpu_block_size, D] (CUDA only)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata,
                 kv_stored: bool = False) -> torch.Tensor:
@@ -33,17 +34,45 @@ class Attention(nn.Module):
 
     def _decode(self, q, k, v, meta: AttentionMetadata, kv_stored: bool = False) -> torch.Tensor:
         host_job = self._submit_host_decode(q, k, v, meta) if meta.has_cpu_rows else None
+        partial = None  # the device's partial: split rows' device parts, then the streamed share
         if meta.has_gpu_rows:
             if not kv_stored:
                 self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            out, lse = self.backend.paged_decode_attention(
+            partial = self.backend.paged_decode_attention(
                 q, self.k_cache, self.v_cache, meta.block_tables, meta.context_lens, self.scale)
             if host_job is None:
-                return out
+                return partial[0]
+        if meta.streamed is not None:
+            partial = self._merged(partial, self.attend_streamed(q, self.stream_in(meta.streamed), meta.streamed))
         host_out, host_lse = (t.to(q.device, non_blocking=True) for t in host_job.result())
-        if not meta.has_gpu_rows:
+        if partial is None:
             return host_out
-        return self.backend.merge_attn_states(out, lse, host_out, host_lse)[0]
+        return self.backend.merge_attn_states(*partial, host_out, host_lse)[0]
+
+    def _merged(self, partial, other):
+        return other if partial is None else self.backend.merge_attn_states(*partial, *other)
+
+    def stream_in(self, streamed: StreamedKV, staging: torch.Tensor | None = None) -> torch.Tensor:
+        """The streamed share's host blocks of this layer, [2, S, Hkv, block, D] on the device (into `staging`, if
+        given). Through the device's own reads where it addresses the pool, else gathered on the host."""
+        if self.host_kv_mapped is not None:
+            from kernels.host_kv_stream import stream_host_blocks
+
+            if staging is None:
+                staging = torch.empty((2, streamed.num_blocks, *self.host_kv_mapped.shape[2:]),
+                                      dtype=self.host_kv_mapped.dtype, device=self.host_kv_mapped.device)
+            stream_host_blocks(self.host_kv_mapped, streamed.source_blocks, streamed.count, staging)
+            return staging
+        blocks = streamed.source_blocks.cpu()
+        gathered = torch.stack([self.k_cache_cpu.index_select(0, blocks), self.v_cache_cpu.index_select(0, blocks)])
+        return gathered.to(streamed.source_blocks.device, non_blocking=True)
+
+    def attend_streamed(self, q, staging: torch.Tensor, streamed: StreamedKV):
+        """q's attention over the staged share: (out, lse), rows with none streamed empty. The staging is head-major;
+        the device kernel reads it through a token-major view."""
+        k_view, v_view = staging[0].transpose(1, 2), staging[1].transpose(1, 2)
+        return self.backend.paged_decode_attention(q, k_view, v_view, streamed.block_tables, streamed.context_lens,
+                                                   self.scale)
 
     def _submit_host_decode(self, q, k, v, meta: AttentionMetadata):
         q_host, k_host, v_host = _to_host(q), _to_host(k), _to_host(v)

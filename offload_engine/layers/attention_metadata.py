@@ -30,6 +30,18 @@ class PrefixStaging:
 
 
 @dataclass
+class StreamedKV:
+    """A host-lane decode step's streamed share: leading host blocks of its rows, copied layer by layer into a device
+    staging buffer (head-major, as in the host pool) and attended there; the CPU kernel's maps leave them out."""
+
+    source_blocks: torch.Tensor  # device int64 [S]: host-pool blocks in staging order (row by row, in token order)
+    count: torch.Tensor  # device int64 [1]: S
+    block_tables: torch.Tensor  # device int32 [B, max_blocks]: staging block ids of each row, -1 padded
+    context_lens: torch.Tensor  # device int32 [B]: each row's streamed tokens (whole blocks), 0 if none
+    num_blocks: int  # S, a host fact
+
+
+@dataclass
 class AttentionMetadata:
     is_prefill: bool
     slot_mapping: torch.Tensor  # device [T] int64, -1 for CPU-tier tokens
@@ -49,5 +61,7 @@ class AttentionMetadata:
     prefill_tiles: torch.Tensor | None = None
     # Host-pool writes still running on the executor (ModelRunner.check_host_writes).
     pending_host_writes: list[Future] = field(default_factory=list)
+    # Host-lane decode: the rows' streamed share, or None.
+    streamed: StreamedKV | None = None
     # Decode: seconds each layer's host kernels took on the executor (engine/sched/lane_stats.py).
     host_kernel_seconds: list[float] = field(default_factory=list)

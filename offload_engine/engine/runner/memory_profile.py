@@ -21,11 +21,39 @@ def size_device_pool(runner) -> int:
     block_bytes, wanted = runner.block_bytes(cfg.block_size), runner.wanted_blocks(cfg.block_size)
     if runner.device.type == "cpu":
         return max(1, min(wanted, CPU_DEVICE_POOL_BYTES // block_bytes))
-    blocks = profile_free_kv_bytes(runner) // block_bytes
+    blocks = (profile_free_kv_bytes(runner) - stream_staging_bytes(runner)) // block_bytes
     if blocks < 1:
         raise ValueError("no GPU memory is left for the KV cache after the model and its activations: raise "
                          "gpu_memory_utilization, lower max_num_batched_tokens, or set num_gpu_blocks")
     return min(blocks, wanted)
+
+
+def stream_capacity_blocks(runner) -> int:
+    """Host blocks a host step may stream per layer (docs/design.md, "Streaming host KV"): what stream_staging_gb
+    holds, double-buffered, K and V, where the device reads the pinned pool in place; 0 where streaming is off
+    (stream_host_kv=False, no host tier, tensor parallelism). On a CPU device the staging is made per step, and every
+    host block may stream (tests pin the share; nothing is measured there to choose one)."""
+    cfg = runner.cfg
+    if not cfg.stream_host_kv or runner.host_pool is None or runner.tp.size > 1:
+        return 0
+    if runner.device.type == "cpu":
+        return runner.num_cpu_blocks
+    if not runner.host_pool.device_can_address:
+        return 0
+    from offload_engine.engine.graphs.stream_staging import StreamStaging
+
+    one = StreamStaging.nbytes(runner.model_cfg, cfg.cpu_block_size, 1, runner.dtype)
+    return int(cfg.stream_staging_gb * 2**30) // one
+
+
+def stream_staging_bytes(runner) -> int:
+    """The streamed share's staging buffer, which comes out of the KV pool's share of the device."""
+    from offload_engine.engine.graphs.stream_staging import StreamStaging
+
+    if runner.device.type == "cpu":
+        return 0
+    return StreamStaging.nbytes(runner.model_cfg, runner.cfg.cpu_block_size, runner.stream_capacity_blocks,
+                                runner.dtype)
 
 
 def allocate_device_pool(model_cfg, num_blocks: int, block_size: int, dtype: torch.dtype,

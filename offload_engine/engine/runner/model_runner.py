@@ -19,7 +19,7 @@ from offload_engine.engine.runner.cuda_streams import engine_stream
 from offload_engine.engine.runner.deferred_tokens import DeferredTokens
 from offload_engine.engine.runner.device_decode import DeviceLaneDecode
 from offload_engine.engine.runner.memory_profile import (allocate_device_pool, layer_views, reserve_step_memory,
-                                                         size_device_pool)
+                                                         size_device_pool, stream_capacity_blocks)
 from offload_engine.engine.runner.prefill_segment import run_segment, segment_capacity, segment_inputs
 from offload_engine.engine.runner.step_inputs import StepInputBuilder
 from offload_engine.engine.sequence import BlockLocation, Sequence
@@ -59,6 +59,9 @@ class ModelRunner:
         self.link_seconds_per_byte = None  # CUDA with a host tier: the pinned copy's, for LaneStats' move cost
         self.ring = None
         self.host_kernel_seconds = {"device": 0.0, "host": 0.0}  # of each lane's latest step (LaneStats)
+        self.stream_capacity_blocks = 0  # host blocks a host step may stream per layer (0: streaming off)
+        self.streamed_in_graph = False
+        self.last_stream_seconds = None  # the latest host step's streamed copies, in device seconds (None: untimed)
         self.startup_seconds: dict[str, float] = {}
         try:
             # Start-up under this runner's GPU: capture's syncs and the allocator's cache follow the current device.
@@ -83,6 +86,7 @@ class ModelRunner:
         self.device_decode = DeviceLaneDecode(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
                                               self.cfg.block_size, self.device)
         self.startup_seconds["weights"] = time.perf_counter() - began
+        self.stream_capacity_blocks = stream_capacity_blocks(self)
         self.num_gpu_blocks = self._agreed(size_device_pool(self))
         self.device_stacked = allocate_device_pool(self.model_cfg, self.num_gpu_blocks, self.cfg.block_size,
                                                    self.dtype, self.device)
@@ -158,6 +162,7 @@ class ModelRunner:
             layer.k_cache, layer.v_cache = device_pool[i]
             layer.k_cache_cpu, layer.v_cache_cpu = host_pool[i] if host_pool else (None, None)
             layer.k_cache_mapped, layer.v_cache_mapped = mapped[i] if mapped else (None, None)
+            layer.host_kv_mapped = stacked[i] if stacked is not None else None
             layer.backend, layer.executor, layer.ring = self.backend, self.executor, self.ring
             layer.copy_stream = copy_stream
 
@@ -184,8 +189,20 @@ class ModelRunner:
                       and -(-self.max_model_len // self.cfg.block_size) > self.num_gpu_blocks)
             graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
                                             self.host_pool, self.executor, engine_stream(self.device, "capture-host"),
-                                            device_blocks_per_seq=self.num_gpu_blocks if splits else None)
+                                            device_blocks_per_seq=self.num_gpu_blocks if splits else None,
+                                            stream_staging=self._stream_staging() if whole else None)
         return graphs
+
+    def _stream_staging(self):
+        """The host-step graphs' streamed share: static maps and double-buffered staging (None: streaming off)."""
+        if not self.stream_capacity_blocks:
+            return None
+        from offload_engine.engine.graphs.cuda_graphs import batch_buckets
+        from offload_engine.engine.graphs.stream_staging import StreamStaging
+
+        width = min(self.stream_capacity_blocks, -(-self.max_model_len // self.cfg.cpu_block_size))
+        return StreamStaging(self.model, batch_buckets(self.cfg.max_num_seqs)[-1], self.stream_capacity_blocks, width,
+                             engine_stream(self.device, "host-kv-stream"))
 
     @property
     def host_step_holds_executor(self) -> bool:
@@ -288,9 +305,10 @@ class ModelRunner:
         """One prefill step (chunks of prompts, or one staged prompt's segment) -> each row's sampled id."""
         return self._step(seqs, is_prefill=True, lane="device")
 
-    def decode_host(self, seqs: list[Sequence]) -> list[int]:
-        """One host-lane decode step, run to its end on the calling thread -> each row's sampled id."""
-        return self._step(seqs, is_prefill=False, lane="host")
+    def decode_host(self, seqs: list[Sequence], streamed: list[int] | None = None) -> list[int]:
+        """One host-lane decode step, run to its end on the calling thread -> each row's sampled id. streamed: per
+        row, how many leading host blocks cross to the device to be attended there (StreamShare.blocks)."""
+        return self._step(seqs, is_prefill=False, lane="host", streamed=streamed)
 
     def launch_device_decode(self, seqs: list[Sequence]) -> DeferredTokens:
         """One device-lane decode step, returned as soon as it is queued; its ids land on the host later."""
@@ -301,7 +319,7 @@ class ModelRunner:
         self.device_decode.forget()
 
     @torch.inference_mode()
-    def _step(self, seqs: list[Sequence], is_prefill: bool, lane: str):
+    def _step(self, seqs: list[Sequence], is_prefill: bool, lane: str, streamed: list[int] | None = None):
         self.check_host_writes()
         if lane == "host":
             # The host step writes its new tokens into host blocks that a queued promotion may still read; the
@@ -323,22 +341,29 @@ class ModelRunner:
                 return self.device_decode.launch(seqs, self.model, self.decode_graphs.get("device"), mode,
                                                  batch.rows, settings)
             else:
-                logits = self._forward(seqs, is_prefill, lane)
+                logits = self._forward(seqs, is_prefill, lane, streamed)
             if host_prefill:
                 self._record_prefill_writes()
-            return sample(logits, self._sampling_batch(seqs, lane)).tolist()
+            tokens = sample(logits, self._sampling_batch(seqs, lane)).tolist()  # the step has synced
+            if lane == "host":
+                graphs = self.decode_graphs.get("host")
+                self.last_stream_seconds = graphs.stream_seconds() if graphs is not None and self.streamed_in_graph \
+                    else None
+            return tokens
 
     def _sampling_batch(self, seqs: list[Sequence], lane: str) -> SamplingBatch:
         builder = self.inputs if lane == "device" else self.host_inputs
         return builder.sampling(seqs, self.model_cfg.vocab_size)
 
-    def _forward(self, seqs: list[Sequence], is_prefill: bool, lane: str) -> torch.Tensor:
+    def _forward(self, seqs: list[Sequence], is_prefill: bool, lane: str, streamed: list[int] | None = None
+                 ) -> torch.Tensor:
         builder = self.inputs if lane == "device" else self.host_inputs
-        step = builder.prefill(seqs) if is_prefill else builder.decode(seqs)
+        step = builder.prefill(seqs) if is_prefill else builder.decode(seqs, streamed)
         if is_prefill:
             mode, batch = self.dispatcher.dispatch_prefill(step.token_ids.shape[0], step.meta)
         else:
             mode = self.dispatcher.dispatch(lane, len(seqs), step.meta)[0]
+            self.streamed_in_graph = mode == GraphMode.PIECEWISE and step.meta.streamed is not None
         if is_prefill and mode == GraphMode.FULL:
             hidden = self.prefill_graphs.run(batch.rows, step.token_ids, step.positions, step.meta,
                                              [s.num_scheduled_tokens for s in seqs], builder.to_device)

@@ -10,7 +10,7 @@ import torch
 from offload_engine.engine.sequence import BlockLocation, Sequence
 from offload_engine.engine.tiers.pinned_ring import PinnedRing
 from offload_engine.engine.tiers.slots import slots_for
-from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging
+from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging, StreamedKV
 from offload_engine.layers.host_block_writes import HostBlockWrites, plan_host_block_writes
 from offload_engine.layers.sampler import SamplingBatch, sampling_keys
 
@@ -126,9 +126,11 @@ class StepInputBuilder:
         return StepInputs(self.to_device(token_ids, torch.int64), self.to_device(positions, torch.int64),
                           self.to_device(cu_seqlens[1:], torch.int64) - 1, meta)
 
-    def decode(self, seqs: list[Sequence]) -> StepInputs:
-        """A host-lane step's maps, in one pass without per-row arrays: it runs before every step."""
+    def decode(self, seqs: list[Sequence], streamed: list[int] | None = None) -> StepInputs:
+        """A host-lane step's maps, in one pass without per-row arrays: it runs before every step. streamed: per
+        row, how many leading host blocks are streamed to the device (StreamedKV) instead of read by the CPU kernel."""
         gpu = BlockLocation.GPU
+        streamed = streamed if streamed is not None and any(streamed) else None
         num_rows = len(seqs)
         slots = {t: np.full(num_rows, -1, dtype=np.int64) for t in BlockLocation}
         ctx = {t: [0] * num_rows for t in BlockLocation}
@@ -140,11 +142,26 @@ class StepInputBuilder:
                 newest -= seq.num_device_tokens
             size = self.block_sizes[tier]
             slots[tier][row] = seq.block_table[newest // size] * size + newest % size
-            ctx[tier][row], tables[tier][row] = newest + 1, seq.block_table
+            skip = streamed[row] if streamed is not None else 0
+            ctx[tier][row], tables[tier][row] = newest + 1 - skip * size, seq.block_table[skip:]
         meta = self._maps(slots, ctx, tables, is_prefill=False)
+        if streamed is not None:
+            meta.streamed = self._streamed(seqs, streamed)
         return StepInputs(self.to_device([s.token_ids[-1] for s in seqs], torch.int64),
                           self.to_device([len(s) - 1 for s in seqs], torch.int64),
                           self.to_device(np.arange(num_rows), torch.int64), meta)
+
+    def _streamed(self, seqs: list[Sequence], streamed: list[int]) -> StreamedKV:
+        """The streamed share's maps: row b's first streamed[b] host blocks, staged one after another."""
+        size = self.block_sizes[BlockLocation.CPU]
+        source, tables, first = [], [], 0
+        for seq, n in zip(seqs, streamed):
+            source += seq.block_table[:n]
+            tables.append(list(range(first, first + n)))
+            first += n
+        return StreamedKV(source_blocks=self.to_device(source, torch.int64), count=self.to_device([first], torch.int64),
+                          block_tables=self.to_device(_block_tables(tables), torch.int32),
+                          context_lens=self.to_device([n * size for n in streamed], torch.int32), num_blocks=first)
 
     def _prefill_maps(self, rows: list[_RowMaps]) -> AttentionMetadata:
         meta = self._maps({t: np.concatenate([r.slots[t] for r in rows]) for t in BlockLocation},

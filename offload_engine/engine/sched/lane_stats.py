@@ -78,6 +78,10 @@ class LaneStats:
         self._device_prefill = DevicePrefillSteps()
         self._host_prefill_extra = _Recent()  # seconds per host-tier prompt token beyond that
         self.device_prefill_elsewhere = False
+        self._host_read_per_byte = _Recent()  # CPU kernel seconds per byte it read itself
+        self._stream_per_byte = _Recent()  # seconds per byte a host step's streamed share took to cross
+        self.host_kernel_bytes = self.stream_bytes = 0  # read by each path, in all
+        self.stream_share = 0.0  # the latest host step's
         self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
         self.device_steps_since_host_step = 0
 
@@ -88,6 +92,27 @@ class LaneStats:
         self.host_fixed.add(seconds - kernel_seconds)
         if kv_bytes > 0:
             self._kernel_per_byte.add(kernel_seconds / kv_bytes)
+
+    def host_reads(self, kernel_bytes: int, kernel_seconds: float, stream_bytes: int,
+                   stream_seconds: float | None) -> None:
+        """A host step's two paths to host KV: the CPU kernel read kernel_bytes in kernel_seconds; stream_bytes
+        crossed to the device in stream_seconds (None: not timed)."""
+        self.host_kernel_bytes += kernel_bytes
+        self.stream_bytes += stream_bytes
+        self.stream_share = stream_bytes / max(1, stream_bytes + kernel_bytes)
+        if kernel_bytes > 0 and kernel_seconds > 0:
+            self._host_read_per_byte.add(kernel_seconds / kernel_bytes)
+        if stream_bytes > 0 and stream_seconds:
+            self._stream_per_byte.add(stream_seconds / stream_bytes)
+
+    @property
+    def host_read_seconds_per_byte(self) -> float | None:
+        return self._host_read_per_byte.value
+
+    @property
+    def stream_seconds_per_byte(self) -> float | None:
+        """Measured in host steps, else the link's rate measured at start-up (a seed), else None."""
+        return self._stream_per_byte.value or self.link_seconds_per_byte
 
     def device_step_done(self, rows: int, seconds: float, host_busy: bool) -> None:
         self._device_steps.setdefault((rows, host_busy), _Recent()).add(seconds)
@@ -173,4 +198,8 @@ class LaneStats:
                 "moves_measured": self._move_per_token.count,
                 "host_prefill_extra_us_per_token": (self.host_prefill_seconds_per_token or 0.0) * 1e6,
                 "host_prefills_measured": self._host_prefill_extra.count,
+                "host_kernel_bytes": self.host_kernel_bytes, "stream_bytes": self.stream_bytes,
+                "stream_share": self.stream_share,
+                "host_kernel_gbps": 1e-9 / self.host_read_seconds_per_byte if self.host_read_seconds_per_byte else None,
+                "stream_gbps": 1e-9 / self._stream_per_byte.value if self._stream_per_byte.value else None,
                 "checks": {f"{kind}_{'pays' if pays else 'refused'}": n for (kind, pays), n in self.checks.items()}}

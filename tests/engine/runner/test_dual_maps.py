@@ -109,3 +109,23 @@ def test_prefill_maps_of_a_split_row_by_chunk():
     assert staging.num_blocks == 3 and staging.block_tables.tolist() == [[2, 0, 1]]
     assert staging.slot_mapping.tolist() == [1 * 8 + 3, 1 * 8 + 4]
     assert not meta.has_gpu_rows and staging.host_token_indices is None
+
+
+def test_a_streamed_share_leaves_the_cpu_maps_and_gets_its_own():
+    """Row 0 streams its first 2 host blocks: the CPU kernel's table starts after them and its context is shorter;
+    the streamed maps list them in staging order. Row 1 streams none; row 2 is split and streams 1."""
+    builder = StepInputBuilder(torch.device(TEST_DEVICE), block_size=4, cpu_block_size=8)
+    host = _placed(30, BlockLocation.CPU, [7, 3, 9, 4], computed=29)  # newest token at 29: block 3, offset 5
+    short = _placed(9, BlockLocation.CPU, [5, 6], computed=8)
+    split = _placed(28, BlockLocation.CPU, [2, 8], computed=27)
+    split.device_prefix, split.num_device_tokens = [1, 0, 11], 12  # host part: tokens 12..27
+    meta = builder.decode([host, short, split], streamed=[2, 0, 1]).meta
+    assert meta.slot_mapping_cpu.tolist() == [4 * 8 + 5, 6 * 8 + 0, 8 * 8 + 7]  # slots are the rows' own
+    assert meta.context_lens_cpu.tolist() == [30 - 16, 9, 16 - 8]
+    assert meta.block_tables_cpu.tolist() == [[9, 4], [5, 6], [8, -1]]
+    streamed = meta.streamed
+    assert streamed.source_blocks.tolist() == [7, 3, 2] and streamed.count.tolist() == [3]
+    assert streamed.block_tables.tolist() == [[0, 1], [-1, -1], [2, -1]]
+    assert streamed.context_lens.tolist() == [16, 0, 8] and streamed.num_blocks == 3
+    assert meta.context_lens.tolist() == [0, 0, 12]  # the split row's device part, as without streaming
+    assert builder.decode([host, short, split], streamed=[0, 0, 0]).meta.streamed is None

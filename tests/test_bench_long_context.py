@@ -1,0 +1,157 @@
+"""benchmarks/bench_long_context.py and platform_ceilings.py: the tiny workload end to end on the CPU writes every key
+of an entry and merges by workload; a peer attempt that fails is recorded with its reason and a smaller batch tried;
+the bound is decode tokens over the slower of the two tiers' reads, against a plain loop over rows and steps."""
+import json
+import time
+
+import pytest
+import torch
+
+from benchmarks import bench_long_context as bench
+from benchmarks.platform_ceilings import measure_ceilings, together
+from cpu_attention.executor import CpuAttentionExecutor
+from offload_engine.config import EngineConfig
+
+ENTRY_KEYS = {"workload", "model", "num_seqs", "prompt_len", "output_len", "ceilings", "decode_tok_per_s",
+              "bound_tok_per_s", "fraction_of_bound", "streamed_share", "decode_tok_per_s_cpu_path_only",
+              "stream_on_over_off", "cpu_placement_tok_per_s", "hf_offloaded_tok_per_s", "hf_offloaded_batch",
+              "hf_offloaded_failures", "prefill_tok_per_s", "output_tok_per_s", "vs_hf_offloaded", "runs", "skipped"}
+CEILING_KEYS = {"host_kernel_gbps", "stream_gbps", "pinned_copy_gbps", "together", "combined_over_kernel_alone",
+                "hbm_gbps"}
+
+
+@pytest.mark.skipif("stream_host_kv" not in EngineConfig.__dataclass_fields__,
+                    reason="the engine has no stream_host_kv option yet (offload_engine/config.py): the workload's "
+                           "A/B run needs it")
+def test_the_tiny_workload_writes_every_key_and_replaces_only_its_own_entry(tmp_path, monkeypatch):
+    monkeypatch.setenv("BENCH_TQDM", "0")
+    other, stale = {"workload": "c", "decode_tok_per_s": 3.0}, {"workload": "tiny", "stale": True}
+    (tmp_path / "long_context.json").write_text(json.dumps({"device": "x", "entries": [other, stale]}))
+    bench.main(["--workload", "tiny", "--out-dir", str(tmp_path)])
+    document = json.loads((tmp_path / "long_context.json").read_text())
+    assert {"device", "date", "commit", "entries"} <= document.keys()
+    assert [e["workload"] for e in document["entries"]] == ["c", "tiny"]
+    assert document["entries"][0] == other
+    entry = document["entries"][1]
+    assert ENTRY_KEYS <= entry.keys() and "stale" not in entry
+    assert CEILING_KEYS <= entry["ceilings"].keys() and entry["ceilings"]["host_kernel_gbps"] > 0
+    if not torch.cuda.is_available():
+        assert entry["ceilings"]["stream_gbps"] is None and entry["ceilings"]["together"] is None
+    runs = entry["runs"]
+    assert [(runs[k]["kv_placement"], runs[k]["stream_host_kv"]) for k in ("stream_on", "stream_off", "cpu")] == \
+        [("auto", True), ("auto", False), ("cpu", True)]
+    assert all("error" not in run for run in runs.values())
+    assert entry["decode_tok_per_s"] > 0 and entry["decode_tok_per_s_cpu_path_only"] > 0
+    assert entry["stream_on_over_off"] == pytest.approx(entry["decode_tok_per_s"]
+                                                        / entry["decode_tok_per_s_cpu_path_only"])
+    assert 0 <= entry["streamed_share"] <= 1 and entry["fraction_of_bound"] > 0
+    # The peer either ran (a rate and its batch) or every attempt says why not (transformers' offloaded cache
+    # needs CUDA); it is never left out.
+    if entry["hf_offloaded_tok_per_s"] is None:
+        assert [f["batch"] for f in entry["hf_offloaded_failures"]] == list(bench.WORKLOADS["tiny"].peer_batches)
+        assert all(f["reason"] for f in entry["hf_offloaded_failures"])
+    else:
+        assert entry["hf_offloaded_batch"] in bench.WORKLOADS["tiny"].peer_batches
+
+
+def test_merging_replaces_the_entry_of_its_workload_in_place_and_keeps_the_others(tmp_path):
+    path = str(tmp_path / "sub" / "long_context.json")
+    bench.merge_entry(path, {"workload": "c", "v": 1}, {"device": "d", "date": "x", "commit": "a"})
+    bench.merge_entry(path, {"workload": "batch8b", "v": 2}, {"device": "d", "date": "x", "commit": "a"})
+    document = bench.merge_entry(path, {"workload": "c", "v": 3}, {"device": "d", "date": "y", "commit": "b"})
+    assert document == json.loads(open(path).read())
+    assert document == {"device": "d", "date": "y", "commit": "b",
+                        "entries": [{"workload": "c", "v": 3}, {"workload": "batch8b", "v": 2}]}
+
+
+def _fake_runner(outcomes: dict, calls: list):
+    def run(request, timeout_s):
+        calls.append((request, timeout_s))
+        return outcomes[request["batch_size"]]
+    return run
+
+
+def test_a_failed_peer_attempt_is_recorded_with_its_reason_and_a_smaller_batch_tried(monkeypatch):
+    calls = []
+    ran = {"output_tok_per_s": 5.0, "output_tokens": 16, "batch_size": 1}
+    monkeypatch.setattr(bench, "run_peer_attempt", _fake_runner(
+        {2: {"error": "killed by SIGKILL (the OOM killer's signal: host memory?)"}, 1: ran}, calls))
+    spec = bench.WORKLOADS["tiny"]
+    found = bench.hf_offloaded(spec, "/model", bench.Deadline(1000))
+    assert found["hf_offloaded_tok_per_s"] == 5.0 and found["hf_offloaded_batch"] == 1 and found["hf_offloaded"] == ran
+    assert [(f["batch"], f["reason"]) for f in found["hf_offloaded_failures"]] == \
+        [(2, "killed by SIGKILL (the OOM killer's signal: host memory?)")]
+    assert [request["batch_size"] for request, _ in calls] == [2, 1]
+    for request, timeout_s in calls:  # the same prompts each time, and a bounded subprocess
+        assert request["lengths"] == [spec.prompt_len] * spec.num_seqs and request["seconds"] == spec.peer_seconds
+        assert timeout_s == spec.peer_seconds + bench.PEER_LOAD_S
+
+
+def test_when_every_peer_attempt_fails_each_reason_is_kept_and_no_rate_given(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "run_peer_attempt", _fake_runner(
+        {2: {"error": "killed at its time limit of 100 s"}, 1: {"output_tok_per_s": 0.0, "output_tokens": 0}}, calls))
+    found = bench.hf_offloaded(bench.WORKLOADS["tiny"], "/model", bench.Deadline(1000))
+    assert found["hf_offloaded_tok_per_s"] is None and found["hf_offloaded_batch"] is None
+    assert [(f["batch"], f["reason"]) for f in found["hf_offloaded_failures"]] == \
+        [(2, "killed at its time limit of 100 s"), (1, "no tokens within its budget")]
+
+
+def test_a_peer_attempt_with_no_time_left_is_recorded_as_not_attempted(monkeypatch):
+    calls = []
+    monkeypatch.setattr(bench, "run_peer_attempt", _fake_runner({}, calls))
+    found = bench.hf_offloaded(bench.WORKLOADS["batch8b"], "/model", bench.Deadline(30))
+    assert not calls
+    assert [f["batch"] for f in found["hf_offloaded_failures"]] == [8, 4, 2, 1]
+    assert all(f["reason"].startswith("not attempted") for f in found["hf_offloaded_failures"])
+
+
+def test_a_peer_killed_by_a_signal_is_described_by_the_signal():
+    assert "SIGKILL" in bench.describe_exit(-9) and bench.describe_exit(3) == "exit status 3"
+
+
+def test_the_bound_is_decode_tokens_over_the_slower_of_device_and_host_reads():
+    rows, prompt, output, per_token, host_bytes = 3, 100, 9, 1000, 1_500_000
+    read = 0
+    for _ in range(rows):
+        for step in range(1, output):  # the prefill made token 0; decode step j attends prompt + j tokens
+            read += (prompt + step) * per_token
+    device_bytes = read - host_bytes
+    for hbm, host in ((1.0, 1.0), (100.0, 0.001), (0.0001, 100.0)):
+        seconds = max(device_bytes / (hbm * 1e9), host_bytes / (host * 1e9))
+        bound = bench.decode_bound(rows, prompt, output, per_token, host_bytes, rows * (output - 1), hbm, host)
+        assert bound["device_kv_bytes"] == device_bytes and bound["host_kv_bytes"] == host_bytes
+        assert bound["bound_tok_per_s"] == pytest.approx(rows * (output - 1) / seconds)
+        assert bound["bound_limited_by"] == ("host" if host_bytes / host >= device_bytes / hbm else "device")
+
+
+def test_host_reads_are_the_lane_stats_deltas_over_the_timed_call():
+    run = {"lane_stats_before": {"stream_bytes": 100, "host_kernel_bytes": 1000},
+           "lane_stats": {"stream_bytes": 400, "host_kernel_bytes": 1900}}
+    assert bench.host_reads(run) == {"stream_bytes": 300, "host_kernel_bytes": 900, "streamed_share": 0.25}
+    assert bench.host_reads({"lane_stats": {}})["streamed_share"] is None  # an engine without the counters
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="off CUDA only: on CUDA the stream parts are measured")
+def test_off_cuda_the_ceilings_measure_the_host_kernel_alone():
+    ceilings = measure_ceilings(seconds=0.05, batch=1, tokens=256)
+    assert ceilings["host_kernel_gbps"] > 0 and ceilings["kv_bytes_per_call"] == 2 * 256 * 8 * 128 * 2
+    assert all(ceilings[key] is None for key in CEILING_KEYS - {"host_kernel_gbps"})
+
+
+def test_together_times_both_paths_in_one_window_and_sums_their_rates():
+    running, overlapped = set(), []
+
+    def path(name, seconds):
+        def call():
+            running.add(name)
+            overlapped.append(len(running) == 2)
+            time.sleep(seconds)
+            running.discard(name)
+        return call
+
+    with CpuAttentionExecutor(num_threads=1, warm=False) as executor:
+        found = together(executor, path("kernel", 0.01), path("stream", 0.005), 10**7, 0.2)
+    assert found["sum_gbps"] == found["kernel_gbps"] + found["stream_gbps"]
+    assert 0.2 < found["kernel_gbps"] <= 1.0 and 0.4 < found["stream_gbps"] <= 2.0  # 1e7 bytes a 10 / 5 ms call
+    assert any(overlapped)  # some call of one path began while the other's was running
