@@ -32,8 +32,8 @@ import torch
 
 from benchmarks.engine_run import random_prompts
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine.sched import scheduler as scheduler_module
 from offload_engine.engine.runner.deferred_tokens import DeferredTokens
+from offload_engine.engine.sched import scheduler as scheduler_module
 from offload_engine.engine.sequence import BlockLocation
 
 

@@ -158,7 +158,7 @@ class FakeHostLane:
     def __init__(self, clock: SimClock, cost: CostModel):
         self.engine, self.clock, self.cost = None, clock, cost  # the engine is set once it exists
 
-    def submit(self, _host_step, batch: list[Sequence]) -> FakeFuture:
+    def submit(self, _host_step, batch: list[Sequence], _streamed: list[int]) -> FakeFuture:
         kv_bytes = sum(map(len, batch)) * self.cost.kv_bytes
         kernel_seconds = self.cost.host_per_gb * kv_bytes / 1e9
         seconds = self.cost.host_fixed + kernel_seconds
@@ -177,7 +177,7 @@ class FakeDeferred:
     def __init__(self, clock: SimClock, seqs: list[Sequence], launched: float, done_at: float):
         self.clock, self.seqs, self.launched, self.done_at = clock, seqs, launched, done_at
         self.positions = [len(seq) for seq in seqs]
-        self.host_busy, self.quiet, self.moved = False, True, (0, 0.0)
+        self.host_busy, self.host_streams, self.quiet, self.moved = False, False, True, (0, 0.0)
 
     def result(self) -> list[int]:
         self.clock.now = max(self.clock.now, self.done_at)

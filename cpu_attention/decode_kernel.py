@@ -25,9 +25,9 @@ import math
 import numpy as np
 from numba import njit, prange
 
-from cpu_attention.block_attention import (CACHE_LINE_BYTES, block_scores_words, block_values_words,
-                                           bf16_dot_applies, block_scores_widened, block_values_widened, scores_bf16,
-                                           softmax_update, values_bf16, word_tiles_apply)
+from cpu_attention.block_attention import (CACHE_LINE_BYTES, bf16_dot_applies, block_scores_widened, block_scores_words,
+                                           block_values_widened, block_values_words, scores_bf16, softmax_update,
+                                           values_bf16, word_tiles_apply)
 from cpu_attention.llvm_ops import atomic_increment, prefer_wide_vectors, prefetch
 from cpu_attention.numerics import FASTMATH, widen
 from cpu_attention.word_tiles import join_pairs, split_pairs

@@ -9,8 +9,8 @@ device has put layer l's q/k/v into host memory; the loop sets gates[1, l] = 1 o
 import numpy as np
 from numba import njit, prange
 
-from cpu_attention.decode_kernel import (ABANDONED, attend_item, check_tables, merge_row, work_plan,
-                                         worker_queries, worker_scratch)
+from cpu_attention.decode_kernel import (ABANDONED, attend_item, check_tables, merge_row, work_plan, worker_queries,
+                                         worker_scratch)
 from cpu_attention.llvm_ops import atomic_increment, cycle_counter, load_acquire, spin_pause, store_release
 from cpu_attention.numerics import FASTMATH
 

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_int_tensor, check_paged_cache, check_queries, dot, ieee_dot, exp2_scale
-from ._common import interpreted, next_power_of_2, on_device, padded_head_dim, sm_count
+from ._common import (check_int_tensor, check_paged_cache, check_queries, dot, exp2_scale, ieee_dot, interpreted,
+                      next_power_of_2, on_device, padded_head_dim, sm_count)
 
 _LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 64  # bounds the reduction tile [splits, D] and the partial buffers

@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from ._common import check_int_tensor, check_paged_cache, check_queries, dot, ieee_dot, exp2_scale
-from ._common import interpreted, on_device, padded_head_dim
+from ._common import (check_int_tensor, check_paged_cache, check_queries, dot, exp2_scale, ieee_dot, interpreted,
+                      on_device, padded_head_dim)
 
 _LN2 = tl.constexpr(0.6931471805599453)
 

@@ -53,6 +53,7 @@ class LLMEngine:
         self.pending = None  # async scheduling: the device-lane step queued last, whose tokens are not read yet
         self.resolved_at = 0.0  # when the device lane's latest step was read: steps in a row are timed from it
         self.decoded_by_lane = {"device": 0, "host": 0}
+        self.host_streams = False  # the host step in flight streams a share of its KV
 
     @classmethod
     def load(cls, model_dir: str, model_cfg: ModelConfig, cfg: EngineConfig, dtype, max_model_len: int,
@@ -117,7 +118,7 @@ class LLMEngine:
             self.prefill.submit(list(plan.prefill_elsewhere), decode_device_prefills=plan.is_prefill)
         if plan.is_prefill:
             return self._prefill_step(list(plan.prefill), finished, start)
-        self._start_host_step(plan.host_rows)
+        self._start_host_step(plan.host_rows, len(plan.device_rows))
         move_seconds += self._demote(plan)
         moved = (plan.moved_tokens, move_seconds)
         if plan.device_rows:
@@ -167,6 +168,7 @@ class LLMEngine:
         self.scheduler.launched(launched.seqs)
         copying = copying or bool(self.promoting) or (self.prefill is not None and self.prefill.landing)
         launched.host_busy, launched.quiet, launched.moved = self.in_flight is not None, not copying, moved
+        launched.host_streams = self.in_flight is not None and self.host_streams
         finished = self._resolve_device_step()
         self.pending = launched
         if not self.cfg.async_scheduling:
@@ -203,7 +205,7 @@ class LLMEngine:
         self.device_step_seconds = now - max(step.launched, self.resolved_at)
         self.resolved_at = now
         if step.quiet:  # KV copies would count as the step's time
-            self.stats.device_step_done(len(step.seqs), self.device_step_seconds, step.host_busy)
+            self.stats.device_step_done(len(step.seqs), self.device_step_seconds, step.host_busy, step.host_streams)
         elif step.moved[0]:  # a move's cost: the engine thread's time, and how much longer this step took
             idle = self.stats.idle_device_step_seconds(len(step.seqs))
             slower = self.device_step_seconds - idle if idle is not None else 0.0
@@ -253,19 +255,22 @@ class LLMEngine:
                 pending.append((landed, rows))
         self.promoting = pending
 
-    def _start_host_step(self, rows) -> None:
+    def _start_host_step(self, rows, device_rows: int = 0) -> None:
+        """Starts a host step of `rows` beside `device_rows` device rows, streaming the share that pays."""
         if not rows:
             return
         batch = list(rows)
         for seq in batch:
             seq.in_flight = True
-        self.in_flight = (batch, self.host_lane.submit(self._host_step, batch))
+        streamed = self.stream.blocks(batch, self.stream.share(self.stats, batch, device_rows))
+        self.host_streams = any(streamed)
+        self.in_flight = (batch, self.host_lane.submit(self._host_step, batch, streamed))
 
-    def _host_step(self, batch: list[Sequence]) -> list[int]:
+    def _host_step(self, batch: list[Sequence], streamed: list[int]) -> list[int]:
         """One host-lane decode step, on the host lane's thread, timed for the cost check: its rows' host KV read
-        by the CPU kernel, and a share of it streamed to the device (docs/design.md, "Streaming host KV")."""
+        by the CPU kernel, and `streamed` of each row's blocks streamed to the device (docs/design.md, "Streaming
+        host KV")."""
         began = self.clock()
-        streamed = self.stream.blocks(batch, self.stream.share(self.stats))
         tokens = self.runner.decode_host(batch, streamed) if any(streamed) else self.runner.decode_host(batch)
         self.host_step_seconds = self.clock() - began
         kernel_seconds = self.runner.host_kernel_seconds["host"]

@@ -66,7 +66,7 @@ def test_the_share_changes_between_steps_and_nothing_is_lost(tiny_models):
     prompts = random_prompts(LENGTHS, 256, seed=122)
     with LLM(model_dir, device=TEST_DEVICE, kv_placement="cpu", cpu_block_size=16, num_cpu_blocks=96) as llm:
         shares, seen = itertools.cycle([0.0, 1.0, 0.3, 0.7]), []
-        llm.engine.stream.share = lambda stats: seen.append(next(shares)) or seen[-1]
+        llm.engine.stream.share = lambda *args: seen.append(next(shares)) or seen[-1]
         steps = []
         decode_host = llm.engine.runner.decode_host
         llm.engine.runner.decode_host = lambda seqs, *streamed: steps.append(sum(map(len, seqs))) or decode_host(

@@ -27,6 +27,7 @@ class DeferredTokens:
         self.positions = [len(seq) for seq in seqs]  # where each sampled token goes in its sequence
         self.launched = time.perf_counter()
         self.host_busy = False  # a host-lane step was in flight when it was queued (LaneStats)
+        self.host_streams = False  # and it streamed a share of its KV
         self.quiet = True  # no KV copy was queued with it, so its time is the step's own (LaneStats)
         self.moved = (0, 0.0)  # tokens moved between the tiers with it, and the engine thread's seconds for them
         self.landed = None

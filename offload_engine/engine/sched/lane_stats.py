@@ -8,6 +8,9 @@ import statistics
 from collections import Counter, deque
 
 WINDOW = 32
+# Device steps beside a streaming host step over beside a plain one, until measured: 1.057 on the H100 host at 8B
+# (docs/decisions/host-streaming.md).
+STREAM_SLOWDOWN_PRIOR = 1.06
 
 
 class _Recent:
@@ -72,7 +75,7 @@ class LaneStats:
         self.link_seconds_per_byte = link_seconds_per_byte
         self.host_fixed = _Recent()  # seconds of a host step outside its CPU kernels
         self._kernel_per_byte = _Recent()  # seconds of a host step's CPU kernels per KV byte they read
-        self._device_steps: dict[tuple[int, bool], _Recent] = {}  # (rows, host step in flight) -> seconds
+        self._device_steps: dict[tuple[int, bool, bool], _Recent] = {}  # (rows, host busy, it streams) -> seconds
         self.device_tok_s = _Recent()
         self._move_per_token = _Recent()
         self._device_prefill = DevicePrefillSteps()
@@ -114,8 +117,9 @@ class LaneStats:
         """Measured in host steps, else the link's rate measured at start-up (a seed), else None."""
         return self._stream_per_byte.value or self.link_seconds_per_byte
 
-    def device_step_done(self, rows: int, seconds: float, host_busy: bool) -> None:
-        self._device_steps.setdefault((rows, host_busy), _Recent()).add(seconds)
+    def device_step_done(self, rows: int, seconds: float, host_busy: bool, host_streams: bool = False) -> None:
+        """A device step of `rows` rows took `seconds`, beside a host step (host_busy) that streamed (host_streams)."""
+        self._device_steps.setdefault((rows, host_busy, host_busy and host_streams), _Recent()).add(seconds)
         self.device_tok_s.add(rows / max(seconds, 1e-6))
         self.device_steps_since_host_step += 1
 
@@ -142,7 +146,7 @@ class LaneStats:
 
     def idle_device_step_seconds(self, rows: int) -> float | None:
         """A device step's time at this row count with the host lane idle, as measured (None: not seen)."""
-        average = self._device_steps.get((rows, False))
+        average = self._device_steps.get((rows, False, False))
         return None if average is None else average.value
 
     @property
@@ -178,17 +182,28 @@ class LaneStats:
 
     @property
     def slowdown(self) -> float:
-        """The mean of per-row-count ratios busy / idle (a busy host lane coincides with full batches, slower anyway),
-        each weighted by the steps behind its rarer side; 1.0 until some row count was seen both ways."""
+        """Device steps beside a host step over those without: the mean of per-row-count ratios busy / idle (a busy
+        host lane coincides with full batches, slower anyway), each weighted by the steps behind its rarer side; 1.0
+        until some row count was seen both ways."""
+        return self._slowdown((False, True)) or 1.0
+
+    @property
+    def stream_slowdown_ratio(self) -> float:
+        """How much slower device steps are beside a host step that streams than beside one that does not (the copies
+        take SMs and PCIe); STREAM_SLOWDOWN_PRIOR until both were seen."""
+        streaming, plain = self._slowdown((True,)), self._slowdown((False,))
+        return streaming / plain if streaming and plain else STREAM_SLOWDOWN_PRIOR
+
+    def _slowdown(self, streams: tuple[bool, ...]) -> float | None:
         total = weight_sum = 0.0
-        for (rows, busy), busy_avg in self._device_steps.items():
-            idle_avg = self._device_steps.get((rows, False)) if busy else None
+        for (rows, busy, streaming), busy_avg in self._device_steps.items():
+            idle_avg = self._device_steps.get((rows, False, False)) if busy and streaming in streams else None
             if idle_avg is None or not idle_avg.value:
                 continue
             weight = min(idle_avg.count, busy_avg.count)
             total += weight * busy_avg.value / idle_avg.value
             weight_sum += weight
-        return max(1.0, total / weight_sum) if weight_sum else 1.0
+        return max(1.0, total / weight_sum) if weight_sum else None
 
     def snapshot(self) -> dict:
         """The check's inputs as they stand, and its outcomes so far (for benchmark JSON)."""
@@ -202,4 +217,5 @@ class LaneStats:
                 "stream_share": self.stream_share,
                 "host_kernel_gbps": 1e-9 / self.host_read_seconds_per_byte if self.host_read_seconds_per_byte else None,
                 "stream_gbps": 1e-9 / self._stream_per_byte.value if self._stream_per_byte.value else None,
+                "stream_slowdown_ratio": self.stream_slowdown_ratio,
                 "checks": {f"{kind}_{'pays' if pays else 'refused'}": n for (kind, pays), n in self.checks.items()}}

@@ -1,10 +1,13 @@
 """The streamed share of a host step: how many of each row's full host blocks cross PCIe, to be attended on the
 device, while the CPU kernel attends the rest (docs/design.md, "Streaming host KV"). Both paths read host memory at
-once, so a step ends when the slower ends: the share is set so that both finish together, from each path's seconds
-per byte as measured beside the other (LaneStats). Streamed blocks are a prefix of the row's host blocks, never the
-block its new token goes to; the staging buffer bounds how many blocks a step streams.
+once, so the share is set for both to finish together, from each path's seconds per byte as measured (LaneStats). It
+streams where that pays: the host lane's gain in tok/s beats what the copies cost the device lane's steps beside it.
+Streamed blocks are a prefix of a row's host blocks, never the block its new token goes to; the staging buffer bounds
+how many blocks a step streams.
 """
 from offload_engine.engine.sequence import Sequence
+
+STREAM_PROBE_STEPS = 16  # a refused share is streamed anyway this often, so the device lane's cost is measured again
 
 
 def full_host_blocks(seq: Sequence, block_size: int) -> int:
@@ -24,18 +27,24 @@ class StreamShare:
         """capacity_blocks: host blocks one step can stream per layer (the staging buffer's); 0: streaming is off."""
         self.capacity_blocks, self.block_size = capacity_blocks, block_size
         self.fixed: float | None = None  # pins the share (tests, A/B runs); None: balanced from the measured rates
+        self.plain_steps = 0  # host steps since one streamed
 
     @property
     def enabled(self) -> bool:
         return self.capacity_blocks > 0
 
-    def share(self, stats) -> float:
-        """The share of full host blocks to stream this step, from LaneStats' rates (or the pinned one)."""
+    def share(self, stats, host_rows: list[Sequence] = (), device_rows: int = 0) -> float:
+        """The share of full host blocks to stream in a host step of host_rows beside device_rows device rows: the
+        pinned one, else balanced from LaneStats' rates where streaming pays (or is due for a probe), else 0."""
         if not self.enabled:
             return 0.0
         if self.fixed is not None:
             return self.fixed
-        return balanced_share(stats.host_read_seconds_per_byte, stats.stream_seconds_per_byte)
+        share = balanced_share(stats.host_read_seconds_per_byte, stats.stream_seconds_per_byte)
+        if share and not streaming_pays(host_rows, device_rows, share, stats) and self.plain_steps < STREAM_PROBE_STEPS:
+            share = 0.0
+        self.plain_steps = 0 if share else self.plain_steps + 1
+        return share
 
     def blocks(self, seqs: list[Sequence], share: float) -> list[int]:
         """Per row, how many leading host blocks to stream: `share` of its full ones, scaled down to the capacity."""
@@ -47,3 +56,15 @@ class StreamShare:
         if total > self.capacity_blocks:
             wanted = [w * self.capacity_blocks // total for w in wanted]
         return wanted
+
+
+def streaming_pays(host_rows: list[Sequence], device_rows: int, share: float, stats) -> bool:
+    """Whether the host lane's gain in tok/s (its step shortened by the share the kernel no longer reads) beats the
+    device lane's loss (its tok/s x (1 - 1/stream_slowdown_ratio)); True without device rows or measurements."""
+    kernel, fixed, device = stats.host_read_seconds_per_byte, stats.host_fixed.value, stats.device_tok_s.value
+    if not device_rows or not host_rows or kernel is None or fixed is None or not device or not stats.kv_bytes_per_token:
+        return True
+    host_bytes = sum(seq.num_host_tokens for seq in host_rows) * stats.kv_bytes_per_token
+    plain, streamed = fixed + kernel * host_bytes, fixed + kernel * host_bytes * (1 - share)
+    gain = len(host_rows) * (1 / streamed - 1 / plain)
+    return gain > device * (1 - 1 / stats.stream_slowdown_ratio)

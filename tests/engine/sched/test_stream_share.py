@@ -3,8 +3,8 @@ streams a prefix of its full host blocks, never the block its new token goes to;
 staging holds; with streaming off nothing streams."""
 import pytest
 
-from offload_engine.engine.sched.lane_stats import LaneStats
-from offload_engine.engine.sched.stream_share import StreamShare, balanced_share, full_host_blocks
+from offload_engine.engine.sched.lane_stats import STREAM_SLOWDOWN_PRIOR, LaneStats
+from offload_engine.engine.sched.stream_share import STREAM_PROBE_STEPS, StreamShare, balanced_share, full_host_blocks
 from offload_engine.engine.sequence import Sequence
 from offload_engine.sampling_params import SamplingParams
 
@@ -50,3 +50,35 @@ def test_the_share_comes_from_lane_stats_and_off_means_none():
     off = StreamShare(capacity_blocks=0, block_size=16)
     off.fixed = 1.0
     assert not off.enabled and off.share(stats) == 0.0
+
+
+def _measured(device_tok_s, kernel_gbps=50.0):
+    stats = LaneStats(kv_bytes_per_token=100_000, link_seconds_per_byte=1 / 50e9)
+    stats.host_step(kv_bytes=10**9, seconds=1 / kernel_gbps + 0.01, kernel_seconds=1 / kernel_gbps)
+    stats.host_reads(kernel_bytes=10**9, kernel_seconds=1 / kernel_gbps, stream_bytes=0, stream_seconds=None)
+    for _ in range(4):
+        stats.device_step_done(rows=1, seconds=1 / device_tok_s, host_busy=False)
+    return stats
+
+
+def test_streaming_pays_where_the_host_lanes_gain_beats_the_device_lanes_loss():
+    """Four 32k-token host rows: streaming half their KV saves ~0.3 s a step, 5.6 tok/s; that beats a device lane of
+    10 tok/s slowed 6% (0.6 tok/s lost), not one of 1,000 tok/s (57 tok/s lost). Without device rows it always pays."""
+    rows = [_seq(32768) for _ in range(4)]
+    share = StreamShare(capacity_blocks=10**6, block_size=16)
+    assert share.share(_measured(device_tok_s=10), rows, device_rows=1) == pytest.approx(0.5)
+    busy = _measured(device_tok_s=1000)
+    assert share.share(busy, rows, device_rows=1) == 0.0
+    assert share.share(busy, rows, device_rows=0) == pytest.approx(0.5)
+
+
+def test_a_refused_share_is_probed_and_the_measured_cost_replaces_the_prior():
+    rows = [_seq(32768) for _ in range(4)]
+    share, busy = StreamShare(capacity_blocks=10**6, block_size=16), _measured(device_tok_s=1000)
+    shares = [share.share(busy, rows, device_rows=1) for _ in range(STREAM_PROBE_STEPS + 1)]
+    assert shares[:-1] == [0.0] * STREAM_PROBE_STEPS and shares[-1] > 0
+    assert busy.stream_slowdown_ratio == STREAM_SLOWDOWN_PRIOR
+    for _ in range(4):  # beside a plain host step 10% slower than idle, beside a streaming one 10% slower still
+        busy.device_step_done(rows=1, seconds=1.1 / 1000, host_busy=True)
+        busy.device_step_done(rows=1, seconds=1.21 / 1000, host_busy=True, host_streams=True)
+    assert busy.stream_slowdown_ratio == pytest.approx(1.1) and busy.slowdown == pytest.approx(1.155)
