@@ -264,12 +264,14 @@ def merge_entry(path: str, entry: dict, header: dict) -> dict:
 
 
 def commit() -> str | None:
-    """The checkout's commit (the device machine's copy has no .git: BENCH_COMMIT names it there)."""
+    """BENCH_COMMIT where set (the device machine's copy of the tree may carry a stale .git), else the checkout's."""
+    if os.environ.get("BENCH_COMMIT"):
+        return os.environ["BENCH_COMMIT"]
     try:
         return subprocess.run(["git", "-C", ROOT, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               check=True).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
-        return os.environ.get("BENCH_COMMIT")
+        return None
 
 
 HEADLINE = ("decode_tok_per_s", "bound_tok_per_s", "fraction_of_bound", "streamed_share", "stream_bytes",

@@ -4,7 +4,8 @@ transformers' at every share, for host rows, split rows, GQA, block boundaries a
 changing between steps; every host byte is read by exactly one path.
 
 On a CPU device the streamed share is gathered on the host and attended by the torch backend: what these tests pin
-is the maps and the merges; tests/engine/graphs/test_host_step_graphs.py runs the graphs' copies on CUDA.
+is the maps and the merges. On CUDA (`make test-gpu`) the same tests run the host-step graphs' copies on their
+stream, and check that the graphs ran and timed them.
 """
 import itertools
 
