@@ -27,7 +27,7 @@ import time
 import torch
 
 from benchmarks.bench_throughput import RESULTS, device_slug, hbm_copy_gbps, model_dir, workload_a
-from benchmarks.engine_run import random_prompts
+from benchmarks.engine_run import random_prompts, weight_bytes
 from benchmarks.workloads import PROFILES
 from offload_engine import LLM, SamplingParams
 from offload_engine.layers import fused
@@ -35,12 +35,6 @@ from offload_engine.layers import fused
 BATCHES = (1, 4, 16, 64, 128, 256)
 CONTEXTS = (512, 2048, 8192)
 MAX_CASE_TOKENS = 600_000  # batch x context of one case; more would not fit the 0.6B shape's pool on an H100
-
-
-def weight_bytes(llm) -> int:
-    """Bytes one decode step reads of the weights: every parameter once (a tied head counts once)."""
-    params = {p.data_ptr(): p.numel() * p.element_size() for p in llm.engine.runner.model.parameters()}
-    return sum(params.values())
 
 
 class ReplayTimer:

@@ -11,10 +11,15 @@ on the same prompts. The result merges, by workload, into <out-dir>/long_context
 - decode_tok_per_s: tokens made by decode steps over the decode steps' seconds (the call less its prefill steps).
   rows / median step (rows_over_median_step_tok_per_s) agrees where every row is in every step (c), but where
   device rows step on their own lane beside a host lane (batch8b) a median step is a device step.
-- bound_tok_per_s: those tokens over the slower of device KV bytes / hbm_gbps and host KV bytes / the host's rate,
-  the two paths' sum_gbps measured at once (platform_ceilings; off CUDA, the kernel's alone, for both). Host bytes
-  are what the lane stats counted over the timed call (stream_bytes + host_kernel_bytes); device bytes the rest of
-  what the decode steps read (a row's step j reads prompt + j tokens). Weights are not counted.
+- bound_tok_per_s: those tokens over the slower of the device's bytes / hbm_gbps and host KV bytes / the host's
+  rate, the two paths' sum_gbps measured at once (platform_ceilings; off CUDA, the kernel's alone, for both). Host
+  bytes are what the lane stats counted over the timed call (stream_bytes + host_kernel_bytes). The device's bytes
+  are the rest of the KV the decode steps read (a row's step j reads prompt + j tokens) and the weights, once per
+  decode step of either lane (a host step runs its rows' dense layers on the device): the two lanes run at once,
+  so the slower side bounds the call. That is the bound of the engine's plan (which rows decode where); the plan
+  itself is placement's (docs/design.md).
+- host_step_parts: the host steps' seconds over the timed call, split into the CPU kernels' work, their waits for
+  the device's side of each layer, and the rest (LaneStats.host_step_parts).
 - streamed_share: stream_bytes / (stream_bytes + host_kernel_bytes) over the timed call.
 - output_tok_per_s: generated tokens over the whole generate call, prefill included, as the peer is timed.
 - hf_offloaded_*: each attempt a subprocess with a time limit (a full batch was OOM-killed for host memory), the
@@ -107,17 +112,38 @@ def host_reads(run: dict) -> dict:
 
 
 def decode_bound(num_seqs: int, prompt_len: int, output_len: int, kv_bytes_per_token: int, host_bytes: int,
-                 decode_tokens: int, hbm_gbps: float, host_gbps: float) -> dict:
+                 decode_tokens: int, hbm_gbps: float, host_gbps: float, weight_bytes: int = 0,
+                 decode_steps: int = 0) -> dict:
     """Decode tokens over the slower of the device's and the host's reads (module docstring). Decode step j (1 to
-    output_len - 1; the prefill made token 0) of a row reads prompt_len + j tokens' KV."""
+    output_len - 1; the prefill made token 0) of a row reads prompt_len + j tokens' KV; each of decode_steps
+    (both lanes') reads weight_bytes on the device."""
     steps = output_len - 1
     total = num_seqs * (steps * prompt_len + steps * (steps + 1) // 2) * kv_bytes_per_token
-    device_bytes = max(0, total - host_bytes)
-    device_seconds, host_seconds = device_bytes / (hbm_gbps * 1e9), host_bytes / (host_gbps * 1e9)
+    device_kv = max(0, total - host_bytes)
+    device_weights = weight_bytes * decode_steps
+    device_seconds = (device_kv + device_weights) / (hbm_gbps * 1e9)
+    host_seconds = host_bytes / (host_gbps * 1e9)
     seconds = max(device_seconds, host_seconds)
-    return {"bound_tok_per_s": decode_tokens / seconds if seconds else None, "device_kv_bytes": device_bytes,
-            "host_kv_bytes": host_bytes, "bound_hbm_gbps": hbm_gbps, "bound_host_gbps": host_gbps,
+    return {"bound_tok_per_s": decode_tokens / seconds if seconds else None, "device_kv_bytes": device_kv,
+            "device_weight_bytes": device_weights, "host_kv_bytes": host_bytes, "bound_hbm_gbps": hbm_gbps,
+            "bound_host_gbps": host_gbps, "bound_device_seconds": device_seconds, "bound_host_seconds": host_seconds,
             "bound_limited_by": "host" if host_seconds >= device_seconds else "device"}
+
+
+def host_step_parts(run: dict) -> dict | None:
+    """The host steps' seconds over the timed call: per step, and the shares of kernel work, device waits, rest."""
+    after = (run.get("lane_stats") or {}).get("host_step_parts")
+    before = (run.get("lane_stats_before") or {}).get("host_step_parts") or {}
+    if not after:
+        return None
+    delta = {k: v - before.get(k, 0) for k, v in after.items()}
+    steps, seconds = delta["steps"], delta["seconds"]
+    if not steps or seconds <= 0:
+        return None
+    rest = seconds - delta["kernel_seconds"] - delta["device_wait_seconds"]
+    return {"steps": steps, "ms_per_step": 1e3 * seconds / steps,
+            "kernel_share": delta["kernel_seconds"] / seconds,
+            "device_wait_share": delta["device_wait_seconds"] / seconds, "rest_share": rest / seconds}
 
 
 def bound_rates(ceilings: dict) -> tuple[float, float, str]:
@@ -146,8 +172,9 @@ def derived(spec: LongContext, run: dict, ceilings: dict) -> dict:
         return {**rates, "bound_tok_per_s": None, "fraction_of_bound": None,
                 "bound_note": "the lane stats counted no host KV reads over a call with host-lane tokens"}
     bound = decode_bound(spec.num_seqs, spec.prompt_len, spec.output_len, run["kv_bytes_per_token"],
-                         host_bytes + rates["stream_bytes"], decoded, hbm, host)
-    return {**rates, **bound, "bound_host_source": source,
+                         host_bytes + rates["stream_bytes"], decoded, hbm, host, run.get("weight_bytes", 0),
+                         sum((run.get("steps_by_lane") or {}).values()))
+    return {**rates, **bound, "bound_host_source": source, "host_step_parts": host_step_parts(run),
             "fraction_of_bound": ratio(rates["decode_tok_per_s"], bound["bound_tok_per_s"])}
 
 
@@ -274,7 +301,7 @@ def commit() -> str | None:
         return None
 
 
-HEADLINE = ("decode_tok_per_s", "bound_tok_per_s", "fraction_of_bound", "streamed_share", "stream_bytes",
+HEADLINE = ("decode_tok_per_s", "bound_tok_per_s", "fraction_of_bound", "bound_limited_by", "streamed_share", "stream_bytes",
             "host_kernel_bytes", "prefill_tok_per_s", "output_tok_per_s")
 
 

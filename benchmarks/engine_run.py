@@ -12,6 +12,12 @@ def random_prompts(lengths: list[int], vocab: int, seed: int = 0) -> list[list[i
     return [torch.randint(0, vocab, (n,), generator=gen).tolist() for n in lengths]
 
 
+def weight_bytes(llm) -> int:
+    """Bytes one decode step reads of the weights: every parameter once (a tied head counts once)."""
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in llm.engine.runner.model.parameters()}
+    return sum(params.values())
+
+
 def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *, lane_stats_before: bool = False,
             **llm_kwargs) -> dict:
     """Output and total tok/s of generating output_lens[i] tokens (ignore_eos) after prompts[i]. lane_stats_before:
@@ -31,6 +37,7 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *,
     scheduler = llm.engine.scheduler
     moves_before = (scheduler.num_preemptions, scheduler.num_promotions, scheduler.num_demotions)
     lanes_before = dict(llm.engine.decoded_by_lane)
+    steps_before = dict(llm.engine.steps_by_lane)
     stats_before = llm.engine.stats.snapshot() if lane_stats_before else None
     params = [SamplingParams(temperature=0.6, max_tokens=n, ignore_eos=True) for n in output_lens]
     steps = []
@@ -55,6 +62,8 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *,
         "promotions": scheduler.num_promotions - moves_before[1],
         "demotions": scheduler.num_demotions - moves_before[2],
         "decoded_by_lane": {lane: n - lanes_before[lane] for lane, n in llm.engine.decoded_by_lane.items()},
+        "steps_by_lane": {lane: n - steps_before[lane] for lane, n in llm.engine.steps_by_lane.items()},
+        "weight_bytes": weight_bytes(llm),
         "lane_stats": llm.engine.stats.snapshot(),  # the cost check's inputs at the end, and its outcomes
         **llm.kv_cache_summary,
         "device_pool_gib": runner.num_gpu_blocks * llm.config.block_size

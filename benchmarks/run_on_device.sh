@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
-#   placement-ab, multi-gpu, multi-gpu-tp
+#   placement-ab, long-context-c, long-context-8b, long-context-profile, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -128,6 +128,16 @@ case "${1:-check}" in
   long-context-8b)  # 8B shape, 8 x (32,768 + 256) at a 24 GB card's 3,296 blocks: the same runs; the cpu run is
     # skipped (and recorded) when too little time is left, the peer takes what is left. LC_FLAGS: e.g. --skip-cpu
     step long_context_8b 570 python3 -m benchmarks.bench_long_context --workload batch8b --out-dir "$OUT" ${LC_FLAGS:-}
+    ;;
+  long-context-profile)  # where long contexts lose time (issue 59, items 3 and 4): batch8b's auto with and without
+    # streaming (host steps split into kernel work, device waits and the rest), then the prefill's parts of c and
+    # batch8b (profile_prefill.py) against their bounds
+    step long_context_8b 280 python3 -m benchmarks.bench_long_context --workload batch8b --out-dir "$OUT" --skip-peer \
+      --skip-cpu --deadline-s 270
+    step prefill_c 170 python3 -m benchmarks.profile_prefill --workload c --out "$OUT/prefill_profile_c.json"
+    step prefill_8b 75 python3 -m benchmarks.profile_prefill --workload batch8b --out "$OUT/prefill_profile_batch8b.json"
+    step prefill_8b_cpu 70 python3 -m benchmarks.profile_prefill --workload batch8b --placement cpu \
+      --out "$OUT/prefill_profile_batch8b_cpu.json"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"

@@ -112,17 +112,30 @@ def test_a_peer_killed_by_a_signal_is_described_by_the_signal():
 
 def test_the_bound_is_decode_tokens_over_the_slower_of_device_and_host_reads():
     rows, prompt, output, per_token, host_bytes = 3, 100, 9, 1000, 1_500_000
+    weights, steps = 50_000, 11  # every decode step of either lane reads the weights on the device
     read = 0
     for _ in range(rows):
         for step in range(1, output):  # the prefill made token 0; decode step j attends prompt + j tokens
             read += (prompt + step) * per_token
-    device_bytes = read - host_bytes
-    for hbm, host in ((1.0, 1.0), (100.0, 0.001), (0.0001, 100.0)):
+    device_bytes = read - host_bytes + weights * steps
+    for hbm, host in ((1.0, 1.0), (100.0, 0.001), (0.0001, 100.0), (1.6, 1.0)):
         seconds = max(device_bytes / (hbm * 1e9), host_bytes / (host * 1e9))
-        bound = bench.decode_bound(rows, prompt, output, per_token, host_bytes, rows * (output - 1), hbm, host)
-        assert bound["device_kv_bytes"] == device_bytes and bound["host_kv_bytes"] == host_bytes
+        bound = bench.decode_bound(rows, prompt, output, per_token, host_bytes, rows * (output - 1), hbm, host,
+                                   weights, steps)
+        assert bound["device_kv_bytes"] + bound["device_weight_bytes"] == device_bytes
+        assert bound["host_kv_bytes"] == host_bytes
         assert bound["bound_tok_per_s"] == pytest.approx(rows * (output - 1) / seconds)
         assert bound["bound_limited_by"] == ("host" if host_bytes / host >= device_bytes / hbm else "device")
+
+
+def test_host_step_parts_are_shares_of_the_timed_calls_host_step_seconds():
+    parts = lambda steps, s, k, w: {"host_step_parts": {"steps": steps, "seconds": s, "kernel_seconds": k,
+                                                         "device_wait_seconds": w}}
+    run = {"lane_stats_before": parts(2, 1.0, 0.5, 0.25), "lane_stats": parts(6, 3.0, 2.0, 0.5)}
+    got = bench.host_step_parts(run)
+    assert got["steps"] == 4 and got["ms_per_step"] == pytest.approx(500.0)
+    assert (got["kernel_share"], got["device_wait_share"], got["rest_share"]) == pytest.approx((0.75, 0.125, 0.125))
+    assert bench.host_step_parts({"lane_stats": parts(0, 0.0, 0.0, 0.0)}) is None  # no host step in the call
 
 
 def test_host_reads_are_the_lane_stats_deltas_over_the_timed_call():

@@ -52,7 +52,8 @@ class LLMEngine:
         self.host_step_seconds = self.device_step_seconds = 0.0
         self.pending = None  # async scheduling: the device-lane step queued last, whose tokens are not read yet
         self.resolved_at = 0.0  # when the device lane's latest step was read: steps in a row are timed from it
-        self.decoded_by_lane = {"device": 0, "host": 0}
+        self.decoded_by_lane = {"device": 0, "host": 0}  # tokens
+        self.steps_by_lane = {"device": 0, "host": 0}  # decode steps
         self.host_streams = False  # the host step in flight streams a share of its KV
 
     @classmethod
@@ -174,6 +175,7 @@ class LLMEngine:
         if not self.cfg.async_scheduling:
             finished += self._resolve_device_step()
         self.decoded_by_lane["device"] += len(batch)
+        self.steps_by_lane["device"] += 1
         return finished
 
     def _wait(self, plan: StepPlan, progressed: bool) -> tuple[list[Sequence], int]:
@@ -275,7 +277,7 @@ class LLMEngine:
         self.host_step_seconds = self.clock() - began
         kernel_seconds = self.runner.host_kernel_seconds["host"]
         self.stats.host_step(sum(map(len, batch)) * self.stats.kv_bytes_per_token, self.host_step_seconds,
-                             kernel_seconds)
+                             kernel_seconds, self.runner.last_host_wait_seconds)
         self._count_host_reads(batch, streamed, kernel_seconds)
         return tokens
 
@@ -297,6 +299,7 @@ class LLMEngine:
         for seq in batch:
             seq.in_flight = False
         self.decoded_by_lane["host"] += len(batch)
+        self.steps_by_lane["host"] += 1
         return self.scheduler.postprocess(batch, future.result()), len(batch)
 
     def abort(self) -> None:

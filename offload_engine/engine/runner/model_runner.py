@@ -62,6 +62,7 @@ class ModelRunner:
         self.stream_capacity_blocks = 0  # host blocks a host step may stream per layer (0: streaming off)
         self.streamed_in_graph = False
         self.last_stream_seconds = None  # the latest host step's streamed copies, in device seconds (None: untimed)
+        self.last_host_wait_seconds = 0.0  # the latest host step's kernels waiting for the device's layers (graphs)
         self.startup_seconds: dict[str, float] = {}
         try:
             # Start-up under this runner's GPU: capture's syncs and the allocator's cache follow the current device.
@@ -364,12 +365,15 @@ class ModelRunner:
         else:
             mode = self.dispatcher.dispatch(lane, len(seqs), step.meta)[0]
             self.streamed_in_graph = mode == GraphMode.PIECEWISE and step.meta.streamed is not None
+            self.last_host_wait_seconds = 0.0
         if is_prefill and mode == GraphMode.FULL:
             hidden = self.prefill_graphs.run(batch.rows, step.token_ids, step.positions, step.meta,
                                              [s.num_scheduled_tokens for s in seqs], builder.to_device)
             logits = self.model.compute_logits(hidden[step.sample_rows])
         elif mode == GraphMode.PIECEWISE:
             logits = self.decode_graphs[lane].run(step.token_ids, step.positions, step.meta)
+            if lane == "host":
+                self.last_host_wait_seconds = self.decode_graphs[lane].last_device_wait_seconds
         else:
             hidden = self.model(step.token_ids, step.positions, step.meta)
             logits = self.model.compute_logits(hidden[step.sample_rows])

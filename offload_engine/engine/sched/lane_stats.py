@@ -85,12 +85,22 @@ class LaneStats:
         self._stream_per_byte = _Recent()  # seconds per byte a host step's streamed share took to cross
         self.host_kernel_bytes = self.stream_bytes = 0  # read by each path, in all
         self.stream_share = 0.0  # the latest host step's
+        # Where host steps' seconds went, in all: the CPU kernels' work, their waits for the device's side of each
+        # layer (its copies, gates and the rows' dense layers), and the rest (inputs, launch, sampling, hand-offs).
+        self.host_step_parts = {"steps": 0, "seconds": 0.0, "kernel_seconds": 0.0, "device_wait_seconds": 0.0}
         self.checks: Counter = Counter()  # placement's cost-check outcomes, e.g. ("demote", False)
         self.device_steps_since_host_step = 0
 
-    def host_step(self, kv_bytes: int, seconds: float, kernel_seconds: float) -> None:
-        """A host-lane step over kv_bytes of KV took `seconds`, `kernel_seconds` of it in the CPU kernels."""
+    def host_step(self, kv_bytes: int, seconds: float, kernel_seconds: float, device_wait_seconds: float = 0.0
+                  ) -> None:
+        """A host-lane step over kv_bytes of KV took `seconds`, `kernel_seconds` of it in the CPU kernels and
+        `device_wait_seconds` with the kernels waiting for the device's side of a layer."""
         kernel_seconds = min(kernel_seconds, seconds)
+        parts = self.host_step_parts
+        parts["steps"] += 1
+        parts["seconds"] += seconds
+        parts["kernel_seconds"] += kernel_seconds
+        parts["device_wait_seconds"] += min(device_wait_seconds, seconds - kernel_seconds)
         self.device_steps_since_host_step = 0
         self.host_fixed.add(seconds - kernel_seconds)
         if kv_bytes > 0:
@@ -217,5 +227,5 @@ class LaneStats:
                 "stream_share": self.stream_share,
                 "host_kernel_gbps": 1e-9 / self.host_read_seconds_per_byte if self.host_read_seconds_per_byte else None,
                 "stream_gbps": 1e-9 / self._stream_per_byte.value if self._stream_per_byte.value else None,
-                "stream_slowdown_ratio": self.stream_slowdown_ratio,
+                "stream_slowdown_ratio": self.stream_slowdown_ratio, "host_step_parts": dict(self.host_step_parts),
                 "checks": {f"{kind}_{'pays' if pays else 'refused'}": n for (kind, pays), n in self.checks.items()}}

@@ -36,6 +36,15 @@ def test_host_step_cost_is_measured_from_kernel_time_not_fitted():
     assert abs(steady.host_fixed.value - 0.02) < 1e-12
 
 
+def test_host_step_parts_add_up_to_the_steps_seconds():
+    stats = LaneStats(KV_BYTES)
+    stats.host_step(KV_BYTES, 0.10, 0.06, 0.03)
+    stats.host_step(KV_BYTES, 0.05, 0.04, 0.02)  # waits past what the kernels left are clipped: parts never exceed
+    parts = stats.snapshot()["host_step_parts"]
+    assert parts["steps"] == 2 and parts["seconds"] == pytest.approx(0.15)
+    assert parts["kernel_seconds"] == pytest.approx(0.10) and parts["device_wait_seconds"] == pytest.approx(0.04)
+
+
 def test_slowdown_is_busy_over_idle_device_steps():
     stats = LaneStats(KV_BYTES)
     assert stats.slowdown == 1.0
