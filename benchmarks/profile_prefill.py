@@ -70,6 +70,19 @@ def linear_weights(model) -> int:
                if p.dim() == 2 and "embed" not in name and "lm_head" not in name)
 
 
+def use_baseline_tiles() -> None:
+    """The prefill kernel as it ran before its long tile and contiguous staging reads: _tile_config's tiles, every
+    table read (before/after in one process; patched before an engine picks its backend)."""
+    import kernels
+    from kernels import paged_prefill
+
+    def baseline(q, k_cache, v_cache, *args, contiguous=False, config=None, **kwargs):
+        config = paged_prefill._tile_config(q.device, q.dtype, k_cache.shape[-1])
+        return paged_prefill.paged_prefill_attention(q, k_cache, v_cache, *args, config=config, **kwargs)
+
+    kernels.paged_prefill_attention = baseline
+
+
 def profile(workload: str, placement: str, cache: str) -> dict:
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
@@ -105,13 +118,13 @@ def profile(workload: str, placement: str, cache: str) -> dict:
             seconds[part_of(event.name)] += s
             kernels[event.name] = kernels.get(event.name, 0.0) + s
         cfg, model = llm.model_config, llm.engine.runner.model
-        layers, heads, head_dim = cfg.num_hidden_layers, cfg.num_attention_heads, cfg.head_dim
+        layers, heads, head_dim = cfg.num_layers, cfg.num_heads, cfg.head_dim
         n = spec.prompt_len
         host_tokens = n - (out.kv_device_tokens if out.kv_location == "split" else
                            (n if out.kv_location == "gpu" else 0))
         work = {"dense": 2 * linear_weights(model) * n, "attention": 4 * layers * heads * head_dim * n * (n + 1) / 2,
                 "host_kv": 2 * host_tokens * cfg.kv_bytes_per_token(llm.dtype)}
-        widest = max(cfg.intermediate_size * 2, heads * head_dim + 2 * cfg.num_key_value_heads * head_dim)
+        widest = max(cfg.intermediate_size * 2, heads * head_dim + 2 * cfg.num_kv_heads * head_dim)
         ceiling = ceilings(cfg.hidden_size, widest, heads, head_dim, min(n, llm.config.max_num_batched_tokens))
         limits = {"dense": ceiling["matmul_tflops"] * 1e12, "attention": ceiling["sdpa_tflops"] * 1e12,
                   "host_kv": ceiling["d2h_gbps"] * 1e9}
@@ -139,9 +152,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--workload", choices=("c", "batch8b"), default="c")
     parser.add_argument("--placement", default="auto", choices=("auto", "cpu", "gpu"))
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
+    parser.add_argument("--baseline", action="store_true", help="the prefill kernel's earlier tiles (use_baseline_tiles)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
-    result = profile(args.workload, args.placement, args.model_cache)
+    if args.baseline:
+        use_baseline_tiles()
+    result = {**profile(args.workload, args.placement, args.model_cache), "baseline_tiles": args.baseline}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -33,14 +33,18 @@ def _attend_key_tiles(
     acc, m, l, q, positions, lo, hi, table, k_base, v_base,
     stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, qk_scale,
     HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    IEEE: tl.constexpr, UPCAST: tl.constexpr, CAUSAL: tl.constexpr,
+    IEEE: tl.constexpr, UPCAST: tl.constexpr, CAUSAL: tl.constexpr, CONTIGUOUS: tl.constexpr,
 ):
-    """Online-softmax update of (acc, m, l) with keys lo..hi-1; CAUSAL masks keys past each query's position."""
+    """Online-softmax update of (acc, m, l) with keys lo..hi-1; CAUSAL masks keys past each query's position.
+    CONTIGUOUS: the table is the identity (block i is cache block i), so no table is read."""
     dims = tl.arange(0, BLOCK_D)
     for tile in range(lo, hi, BLOCK_N):
         toks = tile + tl.arange(0, BLOCK_N)
         valid = toks < hi
-        block = tl.load(table + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+        if CONTIGUOUS:
+            block = (toks // BLOCK_SIZE).to(tl.int64)
+        else:
+            block = tl.load(table + toks // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
         offset = toks % BLOCK_SIZE
         kv_mask = valid[:, None] & (dims[None, :] < HEAD_DIM)
         k = tl.load(k_base + (block * stride_k_block + offset * stride_k_tok)[:, None] + dims[None, :],
@@ -72,6 +76,7 @@ def _prefill_kernel(
     stride_out_t, stride_out_h, stride_lse_t, stride_lse_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr, TILED: tl.constexpr,
+    CONTIGUOUS: tl.constexpr,
 ):
     head = tl.program_id(1)
     if TILED:
@@ -110,10 +115,10 @@ def _prefill_kernel(
     l = tl.zeros([BLOCK_M], tl.float32)
     acc, m, l = _attend_key_tiles(acc, m, l, q, positions, 0, unmasked_end, table, k_base, v_base,
                                   stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, qk_scale,
-                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, IEEE, UPCAST, False)
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, IEEE, UPCAST, False, CONTIGUOUS)
     acc, m, l = _attend_key_tiles(acc, m, l, q, positions, unmasked_end, end, table, k_base, v_base,
                                   stride_k_block, stride_k_tok, stride_v_block, stride_v_tok, qk_scale,
-                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, IEEE, UPCAST, True)
+                                  HEAD_DIM, BLOCK_SIZE, BLOCK_N, BLOCK_D, IEEE, UPCAST, True, CONTIGUOUS)
 
     nonempty = l > 0
     safe_l = tl.where(nonempty, l, 1.0)
@@ -122,6 +127,11 @@ def _prefill_kernel(
     tl.store(out_ptr + tokens[:, None] * stride_out_t + head * stride_out_h + dims[None, :],
              out.to(out_ptr.dtype.element_ty), mask=io_mask)
     tl.store(lse_ptr + tokens * stride_lse_t + head * stride_lse_h, lse, mask=row_mask)
+
+
+LONG_TILE = (256, 64, 8, 3)  # 256 queries a program: 1.1-1.3x the default on 16k-query chunks (docs/results.md)
+LONG_TILE_WAVES = 4  # the long tile only where its programs fill the SMs this many times over
+LONG_TILE_SHARED_MEMORY = 200 * 1024  # bytes a block may take: its q tile and three stages of K/V tiles
 
 
 def _tile_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> tuple[int, int, int, int]:
@@ -135,6 +145,26 @@ def _tile_config(device: torch.device, dtype: torch.dtype, head_dim: int) -> tup
     if head_dim <= 128:
         return 128, 64, 8, 3
     return 64, 32, 4, 2
+
+
+def _gpu(device: torch.device) -> tuple[int, int]:
+    """(SMs, shared memory a block may opt into, in bytes) of a CUDA device."""
+    props = torch.cuda.get_device_properties(device)
+    return props.multi_processor_count, getattr(props, "shared_memory_per_block_optin", 0)
+
+
+def _launch_config(device: torch.device, dtype: torch.dtype, num_q_heads: int, head_dim: int, max_seqlen_q: int,
+                   batch: int, tiled: bool) -> tuple[int, int, int, int]:
+    """_tile_config's, or LONG_TILE for untiled 16-bit calls with 65-128-dim heads whose query tiles of 256 fill the
+    SMs LONG_TILE_WAVES times over, on GPUs with the shared memory for it."""
+    config = _tile_config(device, dtype, head_dim)
+    if tiled or device.type != "cuda" or dtype == torch.float32 or not 64 < head_dim <= 128:
+        return config
+    sms, shared_memory = _gpu(device)
+    programs = triton.cdiv(max_seqlen_q, LONG_TILE[0]) * num_q_heads * batch
+    if programs < LONG_TILE_WAVES * sms or shared_memory < LONG_TILE_SHARED_MEMORY:
+        return config
+    return LONG_TILE
 
 
 def query_tile_rows(device: torch.device, dtype: torch.dtype, head_dim: int) -> int:
@@ -159,9 +189,12 @@ def prefill_tiles(query_lens, tile_rows: int, capacity: int) -> np.ndarray:
 
 
 def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q,
-                            tiles=None):
+                            tiles=None, contiguous: bool = False, config: tuple[int, int, int, int] | None = None):
     """Causal prefill attention over paged KV; returns (out [T, Hq, D] in q's dtype, lse float32 [T, Hq]).
-    tiles: the query tiles to run (`prefill_tiles`, on q's device), in place of a grid over max_seqlen_q."""
+    tiles: the query tiles to run (`prefill_tiles`, on q's device), in place of a grid over max_seqlen_q.
+    contiguous: every row's table is the identity (0, 1, 2, ...: a staging cache), which the kernel then does not
+    read (1.05-1.2x on 16k-query chunks). config: (BLOCK_M, BLOCK_N, num_warps, num_stages) in place of
+    _launch_config's (benchmarks, tests)."""
     block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     group = check_queries(q, k_cache, num_kv_heads, head_dim)
     num_tokens, num_q_heads, _ = q.shape
@@ -179,7 +212,8 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
         return out, lse
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    block_m, block_n, num_warps, num_stages = _tile_config(q.device, q.dtype, head_dim)
+    block_m, block_n, num_warps, num_stages = config or _launch_config(
+        q.device, q.dtype, num_q_heads, head_dim, max_seqlen_q, batch, tiles is not None)
     if tiles is None:
         grid = (triton.cdiv(max_seqlen_q, block_m), num_q_heads, batch)
     else:
@@ -194,6 +228,6 @@ def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, con
             out.stride(0), out.stride(1), lse.stride(0), lse.stride(1),
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_M=block_m, BLOCK_N=block_n,
             BLOCK_D=padded_head_dim(head_dim), IEEE=ieee_dot(q.dtype), UPCAST=interpreted(q.device),
-            TILED=tiles is not None, num_warps=num_warps, num_stages=num_stages,
+            TILED=tiles is not None, CONTIGUOUS=contiguous, num_warps=num_warps, num_stages=num_stages,
         )
     return out, lse

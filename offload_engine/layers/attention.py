@@ -189,8 +189,10 @@ class Attention(nn.Module):
         self._write_host_tier(k, v, chunk.block_writes, chunk.host_token_indices, chunk.host_token_slots,
                               pending_writes)
         self.backend.store_kvcache(k, v, *staged, chunk.staging_slots)
+        # The staging cache's table is the identity: Triton's kernel then reads no table.
+        contiguous = {"contiguous": True} if self.backend.name == "triton" else {}
         out, _ = self.backend.paged_prefill_attention(q, *staged, chunk.block_table, chunk.cu_seqlens_q,
-                                                      chunk.context_lens, self.scale, chunk.num_tokens)
+                                                      chunk.context_lens, self.scale, chunk.num_tokens, **contiguous)
         return out
 
     def _staging_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:

@@ -12,11 +12,18 @@ LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 
 
 def check_prefill(context_lens, query_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, seed=0,
-                  max_seqlen_q=None, strided_q=False, tiled=False):
+                  max_seqlen_q=None, strided_q=False, tiled=False, contiguous=False, config=None):
     """context_lens[b] counts cached tokens including the chunk; the chunk is the last query_lens[b] of them.
-    tiled: the grid from a tile map (as a CUDA graph runs it), three rows of -1 past the last tile."""
+    tiled: the grid from a tile map (as a CUDA graph runs it), three rows of -1 past the last tile. contiguous: one
+    row whose cache holds its blocks in order (a staging cache), its table the identity, which the kernel does not
+    read. config: the kernel's tiles, (BLOCK_M, BLOCK_N, warps, stages)."""
     k_cache, v_cache, block_tables, keys, values = random_paged_kv(
         context_lens, num_kv_heads, head_dim, block_size, dtype, layout="token_major", seed=seed)
+    if contiguous:
+        assert len(context_lens) == 1
+        order = block_tables[0][block_tables[0] >= 0].long()
+        k_cache, v_cache = k_cache[order], v_cache[order]
+        block_tables = torch.arange(order.numel(), dtype=torch.int32)[None]
     gen = torch.Generator().manual_seed(seed + 1)
     num_tokens = sum(query_lens)
     fused = torch.randn(num_tokens, num_q_heads + 2 * num_kv_heads, head_dim, generator=gen).to(dtype)
@@ -33,7 +40,7 @@ def check_prefill(context_lens, query_lens, num_q_heads, num_kv_heads, head_dim,
     out, lse = paged_prefill_attention(q_in, *on_test_device(k_cache, v_cache, block_tables, cu_seqlens,
                                                              torch.tensor(context_lens, dtype=torch.int32)),
                                        scale, max_seqlen_q if max_seqlen_q is not None else max(query_lens),
-                                       tiles=tiles)
+                                       tiles=tiles, contiguous=contiguous, config=config)
     out, lse = out.cpu(), lse.cpu()
     assert out.shape == q.shape and out.dtype == dtype and lse.shape == (num_tokens, num_q_heads)
     for b, (context, q_len) in enumerate(zip(context_lens, query_lens)):
@@ -56,6 +63,39 @@ def test_chunks_after_cached_prefixes_gqa(num_q_heads, num_kv_heads):
 def test_a_tile_map_runs_every_query_tile_once(dtype):
     # Rows of several tiles, one query, none; a prefix before a chunk; GQA; spare map rows of -1.
     check_prefill([70, 21, 33, 17, 0, 50], [40, 21, 1, 0, 0, 33], 8, 2, 64, 8, dtype, seed=5, tiled=True)
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+def test_a_staging_cache_read_without_its_identity_table(dtype):
+    # A chunk after a prefix that crosses pages and query tiles; the kernel computes each block from the token.
+    check_prefill([203], [77], 8, 2, 64, 8, dtype, seed=7, contiguous=True)
+
+
+@pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the long tile's shared memory: CUDA only")
+@pytest.mark.parametrize("contiguous", (False, True))
+def test_the_long_tile_on_long_chunks(contiguous):
+    # 256 queries a program, a chunk of several of them after a prefix, GQA, a last tile cut short.
+    from kernels.paged_prefill import LONG_TILE
+
+    check_prefill([1900], [1100], 8, 2, 128, 16, torch.bfloat16, seed=9, contiguous=contiguous, config=LONG_TILE)
+
+
+def test_the_long_tile_is_chosen_only_where_it_fills_the_gpu(monkeypatch):
+    from kernels import paged_prefill as pp
+
+    monkeypatch.setattr(pp, "_gpu", lambda device: (132, 227 * 1024))
+    cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
+    default = pp._tile_config(cuda, bf16, 128)
+    assert pp._launch_config(cuda, bf16, 16, 128, 16384, 1, tiled=False) == pp.LONG_TILE  # 1,024 programs
+    assert pp._launch_config(cuda, bf16, 16, 128, 4096, 1, tiled=False) == default  # 256: under four waves
+    assert pp._launch_config(cuda, bf16, 16, 128, 16384, 1, tiled=True) == default  # graphs cut tiles by the default
+    assert pp._launch_config(cuda, torch.float32, 16, 128, 16384, 1, tiled=False) == pp._tile_config(
+        cuda, torch.float32, 128)
+    assert pp._launch_config(cuda, bf16, 16, 64, 16384, 1, tiled=False) == pp._tile_config(cuda, bf16, 64)
+    monkeypatch.setattr(pp, "_gpu", lambda device: (108, 163 * 1024))  # too little shared memory for it
+    assert pp._launch_config(cuda, bf16, 16, 128, 16384, 1, tiled=False) == default
+    cpu = torch.device("cpu")
+    assert pp._launch_config(cpu, bf16, 16, 128, 16384, 1, tiled=False) == pp._tile_config(cpu, bf16, 128)
 
 
 def test_the_tile_map_puts_the_longest_causal_tiles_first():

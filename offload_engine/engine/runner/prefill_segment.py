@@ -26,7 +26,7 @@ class SegmentChunk:
     host_token_slots: torch.Tensor  # host int64: their host-pool slots
     block_writes: HostBlockWrites | None  # the host blocks the device writes whole
     staging_slots: torch.Tensor  # device int64: token t of the sequence is staging slot t
-    block_table: torch.Tensor  # device int32 [1, staging blocks]
+    block_table: torch.Tensor  # device int32 [1, staging blocks]: the identity, staging block i is block i
     cu_seqlens_q: torch.Tensor  # device int32 [2]
     context_lens: torch.Tensor  # device int32 [1]: the sequence's tokens up to this chunk's last
 
