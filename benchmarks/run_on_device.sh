@@ -3,7 +3,8 @@
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
-#   placement-ab, long-context-c, long-context-8b, long-context-profile, multi-gpu, multi-gpu-tp
+#   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, multi-gpu,
+#   multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -138,6 +139,28 @@ case "${1:-check}" in
     step prefill_8b 75 python3 -m benchmarks.profile_prefill --workload batch8b --out "$OUT/prefill_profile_batch8b.json"
     step prefill_8b_cpu 70 python3 -m benchmarks.profile_prefill --workload batch8b --placement cpu \
       --out "$OUT/prefill_profile_batch8b_cpu.json"
+    ;;
+  step-ab)  # the decode step now against an earlier checkout ($OLD, e.g. a git worktree carried in an ignored
+    # folder), one after the other on this machine: whether a change slowed the step for requests that use none of it
+    for side in old new; do
+      dir=$PWD; [ $side = old ] && dir=${OLD:?set OLD to the earlier checkout}
+      (cd "$dir" && PYTHONPATH="$dir" step engine_step_$side 280 python3 -m benchmarks.bench_engine_step --skip-hf \
+        --skip-a --batches 1,16,64,256 --contexts 512,2048 --out-dir "$OUT/engine_step_$side")
+    done
+    ;;
+  test-gpu-shards)  # make test-gpu in one call on a host of several GPUs: one pytest per GPU, each on its own cores,
+    # the files dealt out by size; outputs concatenated into $OUT/gpu_tests.txt
+    gpus=$(nvidia-smi -L | wc -l); cores=$(( $(nproc) / gpus ))
+    files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_" | xargs wc -c | sort -rn | awk '$2!="total"{print $2}')
+    i=0; for f in $files; do echo "$f" >> "$OUT/shard_$((i % gpus)).txt"; i=$((i + 1)); done
+    for g in $(seq 0 $((gpus - 1))); do
+      CUDA_VISIBLE_DEVICES=$g NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda taskset -c $((g * cores))-$(((g + 1) * cores - 1)) \
+        timeout 560 python3 -m pytest -q -rs $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
+    done
+    wait
+    { echo "# make test-gpu in $gpus shards, $(date -u '+%F %H:%M') UTC, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+      for g in $(seq 0 $((gpus - 1))); do echo "## shard $g: $(tr '\n' ' ' < "$OUT/shard_$g.txt")"; tail -n 30 "$OUT/gpu_tests_shard_$g.txt"; done
+    } > "$OUT/gpu_tests.txt"; grep -h "passed\|failed" "$OUT"/gpu_tests_shard_*.txt
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"

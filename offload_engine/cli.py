@@ -1,22 +1,48 @@
-"""The `offload-engine` command: `demo` (the embedded tiny model), `generate` (a real model directory) and
-`bench` (the offload benchmark suite).
+"""The `offload-engine` command: `demo` (the embedded tiny model), `generate` (a model directory), `bench` (the suite).
 
-A mistake the user can fix (a missing model directory, an unsupported architecture, a bad sampling value) ends
-in one `offload-engine: error: ...` line and exit status 2, as argparse does for a bad flag; a traceback means
-a bug in the engine. The demo exits 1 when its greedy check against transformers fails.
+A mistake the user can fix (a bad flag, a missing model directory, an unsupported architecture, a corrupt weights
+file, a bad sampling value) ends in one `offload-engine: error: ...` line and exit status 2; Ctrl-C in one
+`offload-engine: interrupted` line and exit status 130; a traceback means a bug in the engine. The demo exits 1 when
+its greedy check against transformers fails. Nothing heavy (torch, transformers, numba) is imported until the
+arguments are parsed, so `--help` and a bad flag answer at once.
 """
 import argparse
-import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
-from offload_engine.config import KV_PLACEMENTS
+# offload_engine.config.KV_PLACEMENTS, written out so that parsing need not import torch (tests/test_cli.py checks
+# that the two agree).
+KV_PLACEMENTS = ("gpu", "cpu", "auto")
+INTERRUPTED_STATUS = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with a bad flag reported like every other user error: one line, exit status 2."""
+
+    def error(self, message: str):
+        _fail(f"{message} (see `{self.prog} --help`)")
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="offload-engine", description=__doc__)
+    try:
+        failed = _run(_parse(argv))
+    except (ValueError, OSError) as err:  # what the engine's public API raises for input the user can change
+        _fail(" ".join(str(err).splitlines()))
+    except KeyboardInterrupt:
+        print("offload-engine: interrupted", file=sys.stderr)
+        sys.exit(INTERRUPTED_STATUS)
+    if failed:
+        sys.exit(1)
+
+
+def _fail(message: str):
+    print(f"offload-engine: error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = _Parser(prog="offload-engine", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
 
     demo = commands.add_parser("demo", help="run a batch of long prompts on the embedded tiny model")
@@ -45,15 +71,7 @@ def main(argv: list[str] | None = None) -> None:
     gen.add_argument("--num-gpu-blocks", type=int, default=None)
     gen.add_argument("--cpu-kv-cache-gb", type=float, default=None)
     gen.add_argument("--json", action="store_true", help="print one JSON object per prompt")
-
-    args = parser.parse_args(argv)
-    try:
-        failed = _run(args)
-    except (ValueError, OSError) as err:  # what the engine's public API raises for input the user can change
-        print(f"{parser.prog}: error: {' '.join(str(err).splitlines())}", file=sys.stderr)
-        sys.exit(2)
-    if failed:
-        sys.exit(1)
+    return parser.parse_args(argv)
 
 
 def _run(args) -> bool:
@@ -71,6 +89,8 @@ def _run(args) -> bool:
 
 def _bench(args) -> bool:
     """Runs benchmarks/bench_throughput.py as its own program: it lives in the source checkout, not the package."""
+    import subprocess
+
     root = Path(__file__).resolve().parent.parent
     if not (root / "benchmarks" / "bench_throughput.py").is_file():
         raise OSError(f"offload-engine bench runs the suite of a source checkout, and {root / 'benchmarks'} has none: "
@@ -82,6 +102,9 @@ def _bench(args) -> bool:
 
 
 def _generate(args) -> None:
+    import dataclasses
+    import json
+
     from offload_engine import LLM, SamplingParams
 
     # Sampling values first: a bad --temperature should not wait for the weights to load.
@@ -92,8 +115,9 @@ def _generate(args) -> None:
              cpu_kv_cache_gb=args.cpu_kv_cache_gb) as llm:
         outputs = llm.generate(args.prompt, params)
     for output in outputs:
-        if args.json:
-            print(json.dumps(vars(output)))
+        if args.json:  # vLLM's fields, and the first completion's text, token_ids and finish_reason at the top
+            print(json.dumps({**dataclasses.asdict(output), "text": output.text, "token_ids": output.token_ids,
+                              "finish_reason": output.finish_reason}))
         else:
             print(f"--- {output.prompt!r} [{output.finish_reason}, KV on {output.kv_location}]\n{output.text}")
 

@@ -1,5 +1,8 @@
 """Engine settings and the model's shape, both checked before any work starts."""
 import json
+import math
+import numbers
+import operator
 import os
 from dataclasses import dataclass
 
@@ -12,6 +15,27 @@ ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
 DEFAULT_CPU_BLOCK_SIZE = 64
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _CONFIG_DTYPES = {**DTYPES, "float": torch.float32, "bf16": torch.bfloat16, "half": torch.float16, "fp16": torch.float16}
+# EngineConfig's fields by kind, as validate() checks them: what a valid value is, in words and as a test.
+_FLAGS = ("kv_promotion", "async_scheduling", "enforce_eager", "enable_prefix_caching", "stream_host_kv")
+_CHOICES = {"dtype": ("auto", *DTYPES), "kv_placement": KV_PLACEMENTS, "attention_backend": ATTENTION_BACKENDS}
+_COUNTS = {  # (wanted, least value, None allowed)
+    "tensor_parallel_size": ("a positive int", 1, False),
+    "num_gpu_blocks": ("a positive int or None", 1, True),
+    "num_cpu_blocks": ("a positive int or None", 1, True),
+    "max_model_len": ("a positive int or None", 1, True),
+    "prefill_segment_tokens": ("a positive int or None", 1, True),
+    "max_num_seqs": ("a positive int", 1, False),
+    "max_num_batched_tokens": ("a positive int", 1, False),
+    "prefill_graph_tokens": ("an int >= 0 (0: eager prefill)", 0, False),
+    "seed": ("an int", -2**63, False),
+}
+_AMOUNTS = {  # (wanted, test, None allowed)
+    "cpu_kv_cache_gb": ("a number > 0 or None", lambda gb: 0 < gb < math.inf, True),
+    "gpu_memory_utilization": ("a number in (0, 1]", lambda share: 0 < share <= 1, False),
+    "stream_staging_gb": ("a number >= 0 (0: no streaming)", lambda gb: 0 <= gb < math.inf, False),
+}
+# The config.json keys every supported architecture needs; the others have defaults.
+REQUIRED_CONFIG_KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
 
 
 @dataclass(frozen=True)
@@ -37,32 +61,34 @@ class ModelConfig:
 
     @classmethod
     def from_model_dir(cls, model_dir: str) -> "ModelConfig":
+        """Reads `model_dir`/config.json. A missing, unreadable or incomplete file is an OSError naming it."""
         path = os.path.join(model_dir, "config.json")
         if not os.path.isfile(path):
             raise OSError(f"{model_dir!r} has no config.json: point `model` at a Hugging Face model directory")
-        with open(path) as f:
-            raw = json.load(f)
-        return cls.from_dict(raw)
+        return cls.from_dict(read_json_object(path), source=path)
 
     @classmethod
-    def from_dict(cls, raw: dict) -> "ModelConfig":
+    def from_dict(cls, raw: dict, source: str = "config.json") -> "ModelConfig":
+        """`raw`: config.json's contents; `source` names the file in errors. A required key that is missing or is
+        not a positive int is an OSError (the file is broken, not the caller's arguments)."""
         from offload_engine.models.registry import resolve_architecture
 
         if raw.get("use_sliding_window"):
             raise ValueError("sliding-window attention is not supported: set use_sliding_window to false")
-        heads = raw["num_attention_heads"]
+        required = {key: _required_count(raw, key, source) for key in REQUIRED_CONFIG_KEYS}
+        heads = required["num_attention_heads"]
         eos = raw.get("eos_token_id")
         eos = () if eos is None else tuple(eos) if isinstance(eos, list) else (eos,)
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         return cls(
             architecture=resolve_architecture(raw),
-            vocab_size=raw["vocab_size"],
-            hidden_size=raw["hidden_size"],
-            intermediate_size=raw["intermediate_size"],
-            num_layers=raw["num_hidden_layers"],
+            vocab_size=required["vocab_size"],
+            hidden_size=required["hidden_size"],
+            intermediate_size=required["intermediate_size"],
+            num_layers=required["num_hidden_layers"],
             num_heads=heads,
             num_kv_heads=raw.get("num_key_value_heads") or heads,
-            head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
+            head_dim=raw.get("head_dim") or required["hidden_size"] // heads,
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 4096),
             rope=_rope_parameters(raw),
@@ -95,6 +121,30 @@ def _rope_parameters(raw: dict) -> dict:
     return rope
 
 
+def read_json_object(path: str) -> dict:
+    """The JSON object in the file at `path`; OSError naming the file when it is not valid JSON or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            value = json.load(f)
+    except json.JSONDecodeError as error:
+        raise OSError(f"{path} is not valid JSON (line {error.lineno}, column {error.colno}: {error.msg}): "
+                      "re-download it or fix the file") from None
+    except UnicodeDecodeError:
+        raise OSError(f"{path} is not valid JSON (not UTF-8 text): re-download it or fix the file") from None
+    if not isinstance(value, dict):
+        raise OSError(f"{path} holds a JSON {type(value).__name__}, not an object: re-download it or fix the file")
+    return value
+
+
+def _required_count(raw: dict, key: str, source: str) -> int:
+    if key not in raw:
+        raise OSError(f"{source} lacks the required key {key!r}: re-download the model's config.json")
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise OSError(f"{source} has {key}={value!r}, not a positive int: re-download the model's config.json")
+    return value
+
+
 @dataclass
 class EngineConfig:
     """What `LLM(...)` takes besides the model directory (see there); `validate` raises ValueError on bad values."""
@@ -125,52 +175,31 @@ class EngineConfig:
     stream_staging_gb: float = 1.0
 
     def validate(self) -> None:
-        if self.device is None:
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
-        _check_device("device", self.device)
-        if self.torch_device.type == "cuda":
-            # Named by index from here on: a bare "cuda" would follow whichever device is current.
-            self.device = f"cuda:{_index(self.torch_device)}"
-        if not _is_int(self.tensor_parallel_size) or self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be a positive int, got {self.tensor_parallel_size!r}")
-        if self.prefill_device is not None:
-            _check_device("prefill_device", self.prefill_device)
-            if torch.device(self.prefill_device).type == "cuda":
-                self.prefill_device = f"cuda:{_index(torch.device(self.prefill_device))}"
-            self._check_prefill_device()
-        self._check_ranks()
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.kv_placement not in KV_PLACEMENTS:
-            raise ValueError(f"kv_placement must be one of {KV_PLACEMENTS}, got {self.kv_placement!r}")
-        for name in ("kv_promotion", "async_scheduling", "enforce_eager", "enable_prefix_caching", "stream_host_kv"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
-        if self.attention_backend not in ATTENTION_BACKENDS:
-            raise ValueError(f"attention_backend must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}")
+        """Raises ValueError naming the first field of the wrong type or out of range, and what to pass instead;
+        fills in what depends on the host (device, cpu_block_size). Bools are not numbers here; integral values
+        (numpy's too) are stored as int, real ones as float, so later arithmetic and comparisons cannot fail."""
+        for name in _FLAGS:
+            _check_flag(name, getattr(self, name))
+        for name, choices in _CHOICES.items():
+            _check_choice(name, getattr(self, name), choices)
+        for name, (wanted, least, optional) in _COUNTS.items():
+            setattr(self, name, _count(name, getattr(self, name), wanted, least, optional))
+        for name, (wanted, test, optional) in _AMOUNTS.items():
+            setattr(self, name, _amount(name, getattr(self, name), wanted, test, optional))
         if self.cpu_block_size is None:
             self.cpu_block_size = DEFAULT_CPU_BLOCK_SIZE
         for name in ("block_size", "cpu_block_size"):
-            value = getattr(self, name)
-            if value is not None and not _is_power_of_two(value):
-                raise ValueError(f"{name} must be a positive power of two (16, 32, 64, ...), got {value!r}")
-        for name in ("num_gpu_blocks", "num_cpu_blocks", "max_model_len", "prefill_segment_tokens"):
-            value = getattr(self, name)
-            if value is not None and (not _is_int(value) or value < 1):
-                raise ValueError(f"{name} must be a positive int or None, got {value!r}")
-        if self.cpu_kv_cache_gb is not None and not self.cpu_kv_cache_gb > 0:
-            raise ValueError(f"cpu_kv_cache_gb must be > 0, got {self.cpu_kv_cache_gb!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens"):
-            if not _is_int(getattr(self, name)) or getattr(self, name) < 1:
-                raise ValueError(f"{name} must be a positive int, got {getattr(self, name)!r}")
-        if not _is_int(self.prefill_graph_tokens) or self.prefill_graph_tokens < 0:
-            raise ValueError(f"prefill_graph_tokens must be an int >= 0 (0: eager prefill), got "
-                             f"{self.prefill_graph_tokens!r}")
-        if isinstance(self.stream_staging_gb, bool) or not isinstance(self.stream_staging_gb, (int, float)) \
-                or not self.stream_staging_gb >= 0:
-            raise ValueError(f"stream_staging_gb must be a number >= 0 (0: no streaming), got {self.stream_staging_gb!r}")
-        if not 0 < self.gpu_memory_utilization <= 1:
-            raise ValueError(f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization!r}")
+            setattr(self, name, _power_of_two(name, getattr(self, name)))
+        self._check_devices()
+
+    def _check_devices(self) -> None:
+        if self.device is None:
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = _device_name("device", self.device)
+        if self.prefill_device is not None:
+            self.prefill_device = _device_name("prefill_device", self.prefill_device)
+            self._check_prefill_device()
+        self._check_ranks()
 
     def _check_prefill_device(self) -> None:
         if self.tensor_parallel_size > 1:
@@ -195,7 +224,11 @@ class EngineConfig:
         return torch.device(self.device)
 
 
-def _check_device(name: str, value) -> None:
+def _device_name(name: str, value) -> str:
+    """The device `value` names, as a string; a GPU is named by index ("cuda:0"), since a bare "cuda" would follow
+    whichever device is current."""
+    if not isinstance(value, (str, torch.device)):
+        raise ValueError(f"{name} must be a string such as 'cuda', 'cuda:1' or 'cpu', got {_shown(value)}")
     try:
         device = torch.device(value)
     except (RuntimeError, TypeError):
@@ -207,15 +240,52 @@ def _check_device(name: str, value) -> None:
     if device.type == "cuda" and _index(device) >= torch.cuda.device_count():
         raise ValueError(f"{name}={value!r}, but torch sees {torch.cuda.device_count()} GPU(s): "
                          f"use an index below {torch.cuda.device_count()}")
+    return f"cuda:{_index(device)}" if device.type == "cuda" else str(device)
 
 
 def _index(device: torch.device) -> int:
     return device.index or 0
 
 
+def _check_flag(name: str, value) -> None:
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {_shown(value)}")
+
+
+def _check_choice(name: str, value, choices: tuple[str, ...]) -> None:
+    if not isinstance(value, str) or value not in choices:
+        raise ValueError(f"{name} must be one of {choices}, got {_shown(value)}")
+
+
+def _count(name: str, value, wanted: str, least: int, optional: bool) -> int | None:
+    """`value` as an int >= least (None passes where optional); bools and floats, even whole ones, do not."""
+    if value is None and optional:
+        return None
+    if _is_int(value) and value >= least:
+        return operator.index(value)
+    raise ValueError(f"{name} must be {wanted}, got {_shown(value)}")
+
+
+def _amount(name: str, value, wanted: str, test, optional: bool) -> float | None:
+    """`value` as a float that passes `test` (None passes where optional); bools and strings do not."""
+    if value is None and optional:
+        return None
+    if not isinstance(value, bool) and isinstance(value, numbers.Real) and test(value):
+        return float(value)
+    raise ValueError(f"{name} must be {wanted} (an int or float), got {_shown(value)}")
+
+
+def _power_of_two(name: str, value) -> int:
+    if _is_int(value) and value > 0 and value & (value - 1) == 0:
+        return operator.index(value)
+    raise ValueError(f"{name} must be a positive power of two (16, 32, 64, ...), got {_shown(value)}")
+
+
 def _is_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
+    """An integral value, numpy's included; not a bool, which Python counts as an int."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
-def _is_power_of_two(value) -> bool:
-    return _is_int(value) and value > 0 and value & (value - 1) == 0
+def _shown(value) -> str:
+    """The value and its type, since a wrong type often prints like the right one ('4' and 4)."""
+    return f"{value!r} (type {type(value).__name__})"

@@ -5,6 +5,7 @@ import time
 
 import torch
 
+from offload_engine.config import ModelConfig
 from offload_engine.llm import LLM
 from offload_engine.sampling_params import SamplingParams
 from offload_engine.tiny_model import default_model_dir
@@ -25,10 +26,20 @@ def run_demo(num_requests: int = 16, prompt_len: int = 1024, max_tokens: int = 6
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"demo {flag} must be an int >= 1, got {value!r}")
     model_dir = model_dir or default_model_dir()
+    _check_prompt_len(model_dir, prompt_len)
     summary = _throughput(model_dir, device, num_requests, prompt_len, max_tokens)
     check = _greedy_check(model_dir, device, min(prompt_len, GREEDY_PROMPT_LEN), min(max_tokens, GREEDY_MAX_TOKENS))
     summary.update(check)
     return summary
+
+
+def _check_prompt_len(model_dir: str, prompt_len: int) -> None:
+    """A prompt must leave the model room for one new token; the demo runs at the model's full length, so the only
+    thing to change is --prompt-len."""
+    positions = ModelConfig.from_model_dir(model_dir).max_position_embeddings
+    if prompt_len >= positions:
+        raise ValueError(f"demo --prompt-len {prompt_len} does not fit the demo model's {positions} positions: "
+                         f"use --prompt-len {positions - 1} or less")
 
 
 def _half_on_device(model_dir: str, device: str | None, num_requests: int, seq_tokens: int, **engine_args) -> LLM:

@@ -1,16 +1,22 @@
 """The public entry point: `LLM(model_dir, ...).generate(prompts, sampling_params)`."""
-import json
+import dataclasses
+import numbers
 import os
+import threading
 import weakref
 
 import torch
 from tqdm.auto import tqdm
 
-from offload_engine.config import DTYPES, EngineConfig, ModelConfig
+from offload_engine.config import DTYPES, EngineConfig, ModelConfig, read_json_object
 from offload_engine.engine.llm_engine import LLMEngine
 from offload_engine.engine.sequence import Sequence
-from offload_engine.outputs import RequestOutput
+from offload_engine.outputs import CompletionOutput, Logprob, RequestOutput
 from offload_engine.sampling_params import SamplingParams
+from offload_engine.tokenizer import load_tokenizer
+
+
+STOP_WINDOW_SLACK = 8  # tokens beyond a stop string's length in characters that _stop_string decodes: partial bytes
 
 
 class LLM:
@@ -36,6 +42,9 @@ class LLM:
         beside the CPU kernel (False: the CPU kernel reads all of it); stream_staging_gb: the device memory that
         streaming's double-buffered staging takes, at most (it comes out of the KV pool's share).
         """
+        # One caller at a time drives the engine: generate() and chat() from several threads run one after another,
+        # each with exactly its own requests and results.
+        self._lock = threading.RLock()
         model = model_dir if model_dir is not None else model
         if model is None:
             raise ValueError("pass the model directory: LLM('path/to/model')")
@@ -59,13 +68,15 @@ class LLM:
         self.model_config.check_tensor_parallel(tensor_parallel_size)
         self.max_model_len = self._max_model_len()
         self.dtype = self.model_config.dtype if dtype == "auto" else DTYPES[dtype]
-        self.tokenizer = _load_tokenizer(model)
+        self.tokenizer = load_tokenizer(model)
         torch.manual_seed(seed)
         self.engine = LLMEngine.load(model, self.model_config, self.config, self.dtype, self.max_model_len,
                                      _eos_token_ids(model, self.model_config))
         # close(), `with`, and garbage collection all release the same things through this (once). It holds
         # the engine, never this object, so an LLM that is dropped unclosed is still collected and released.
         self._finalizer = weakref.finalize(self, self.engine.close)
+        if self.tokenizer is not None:
+            self.engine.scheduler.stop_strings = self._stop_string
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -84,20 +95,75 @@ class LLM:
                 "attention_backend": runner.backend.name}
 
     def generate(self, prompts, sampling_params=None, use_tqdm: bool = True) -> list[RequestOutput]:
-        """Generates for every prompt; outputs come back in prompt order. Bad input raises before any work."""
-        if not self._finalizer.alive:
-            raise ValueError("this LLM has been closed: make a new LLM(...) to generate again")
-        texts, token_lists = self._tokenize(prompts)
-        params = self._per_prompt_params(sampling_params, len(token_lists))
-        seqs = [self.engine.make_sequence(ids, p) for ids, p in zip(token_lists, params)]
-        for seq in seqs:
-            self.engine.add(seq)
-        try:
-            self._run(len(seqs), use_tqdm)
-        except BaseException:
-            self.engine.abort()  # the error (or KeyboardInterrupt) goes on up; the engine is left empty and usable
-            raise
-        return [self._output(text, seq) for text, seq in zip(texts, seqs)]
+        """Generates for every prompt; outputs come back in prompt order. A prompt is a string, a list of token ids,
+        or vLLM's {"prompt": str} / {"prompt_token_ids": [...]}. Bad input raises before any work. Safe to call from
+        several threads: the calls run one after another."""
+        with self._lock:
+            if not self._finalizer.alive:
+                raise ValueError("this LLM has been closed: make a new LLM(...) to generate again")
+            texts, token_lists = self._tokenize(prompts)
+            params = self._per_prompt_params(sampling_params, len(token_lists))
+            if self.tokenizer is None and any(p.stop for p in params):
+                raise ValueError(f"{self.model_dir!r} has no tokenizer to match stop strings on: use stop_token_ids")
+            requests = [self._completions(ids, p) for ids, p in zip(token_lists, params)]
+            for seq in (seq for completions in requests for seq in completions):
+                self.engine.add(seq)
+            try:
+                self._run(sum(map(len, requests)), use_tqdm)
+            except BaseException:
+                self.engine.abort()  # the error (or KeyboardInterrupt) goes on up; the engine is left empty, usable
+                raise
+            return [self._output(text, completions) for text, completions in zip(texts, requests)]
+
+    def _completions(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
+        """params.n sequences of the prompt; the i-th seeded with seed + i, and every one after the first admitted
+        once the first has computed the prompt, so that they share its blocks (prefix caching)."""
+        children = [params] if params.n == 1 else [
+            dataclasses.replace(params, n=1, seed=None if params.seed is None else params.seed + i)
+            for i in range(params.n)]
+        seqs = [self.engine.make_sequence(token_ids, p) for p in children]
+        for seq in seqs[1:]:
+            seq.after = seqs[0]
+        if params.min_tokens:
+            eos = () if params.ignore_eos else self.engine.scheduler.eos_token_ids
+            for seq in seqs:
+                seq.min_tokens_bans = sorted(set(params.stop_token_ids) | set(eos))
+        return seqs
+
+    def chat(self, messages, sampling_params=None, use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             chat_template_kwargs: dict | None = None) -> list[RequestOutput]:
+        """Generates a reply to one conversation (a list of {"role", "content"} messages) or to each of a list of
+        them, rendered by the model directory's chat template (or `chat_template`), as vLLM's LLM.chat."""
+        conversations = self._conversations(messages)
+        hf = self.get_tokenizer()
+        if chat_template is None and not getattr(hf, "chat_template", None):
+            raise ValueError(f"{self.model_dir!r} has no chat template (tokenizer_config.json's 'chat_template'): "
+                             "pass chat_template=... or use generate()")
+        kwargs = dict(chat_template=chat_template, add_generation_prompt=add_generation_prompt and
+                      not continue_final_message, continue_final_message=continue_final_message,
+                      **(chat_template_kwargs or {}))
+        texts = [hf.apply_chat_template(c, tokenize=False, **kwargs) for c in conversations]
+        # The template writes the special tokens it wants (a BOS, say): the rendered text adds none of its own.
+        prompts = [{"prompt": t, "prompt_token_ids": hf.encode(t, add_special_tokens=False)} for t in texts]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    @staticmethod
+    def _conversations(messages) -> list[list[dict]]:
+        if isinstance(messages, (list, tuple)) and messages and all(isinstance(m, dict) for m in messages):
+            messages = [messages]
+        if not isinstance(messages, (list, tuple)) or not messages or not all(
+                isinstance(c, (list, tuple)) and c and all(isinstance(m, dict) and "role" in m for m in c)
+                for c in messages):
+            raise ValueError("messages must be a conversation (a list of {'role': ..., 'content': ...} dicts) "
+                             "or a list of conversations")
+        return [list(c) for c in messages]
+
+    def get_tokenizer(self):
+        """The model directory's tokenizer as transformers loads it (vLLM's LLM.get_tokenizer)."""
+        if self.tokenizer is None:
+            raise ValueError(f"{self.model_dir!r} has no tokenizer (tokenizer.json or tokenizer_config.json)")
+        return self.tokenizer.hf()
 
     def _run(self, num_requests: int, use_tqdm: bool) -> None:
         bar = tqdm(total=num_requests, desc="Generating", dynamic_ncols=True, disable=not use_tqdm)
@@ -113,32 +179,47 @@ class LLM:
             bar.close()
 
     def _tokenize(self, prompts) -> tuple[list, list[list[int]]]:
-        if isinstance(prompts, str):
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         if not isinstance(prompts, (list, tuple)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
-        if prompts and all(isinstance(p, int) for p in prompts):
+        if prompts and all(_is_token_id(p) for p in prompts):
             raise ValueError("prompts looks like one token-id list: pass a list of token-id lists, e.g. [[1, 2, 3]]")
         texts, token_lists = [], []
         for i, prompt in enumerate(prompts):
-            if isinstance(prompt, str):
-                if self.tokenizer is None:
-                    raise ValueError(f"{self.model_dir!r} has no tokenizer: pass token-id lists instead of strings")
-                texts.append(prompt)
-                token_lists.append(self.tokenizer.encode(prompt))
-            elif isinstance(prompt, (list, tuple)):
-                texts.append(None)
-                token_lists.append(list(prompt))
-            else:
-                raise ValueError(f"prompt {i} is a {type(prompt).__name__}: pass strings or token-id lists")
-            self._check_prompt(i, token_lists[-1])
+            text, ids = self._prompt(i, prompt)
+            texts.append(text)
+            token_lists.append(ids)
+            self._check_prompt(i, ids)
         return texts, token_lists
+
+    def _prompt(self, i: int, prompt) -> tuple[str | None, list]:
+        """(its text, its token ids) of prompt i."""
+        if isinstance(prompt, dict):
+            if "prompt_token_ids" in prompt:
+                return prompt.get("prompt"), self._token_list(i, prompt["prompt_token_ids"])
+            if "prompt" in prompt:
+                return self._prompt(i, prompt["prompt"])
+            raise ValueError(f"prompt {i} is a dict without 'prompt' or 'prompt_token_ids': pass one of them")
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError(f"{self.model_dir!r} has no tokenizer: pass token-id lists instead of strings")
+            return prompt, self.tokenizer.encode(prompt)
+        return None, self._token_list(i, prompt)
+
+    @staticmethod
+    def _token_list(i: int, ids) -> list:
+        if hasattr(ids, "tolist") and getattr(ids, "ndim", 1) == 1:  # a numpy array or a 1-D tensor
+            ids = ids.tolist()
+        if not isinstance(ids, (list, tuple)):
+            raise ValueError(f"prompt {i} is a {type(ids).__name__}: pass strings or token-id lists")
+        return [int(t) if _is_token_id(t) else t for t in ids]
 
     def _check_prompt(self, i: int, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab), None)
+        bad = next((t for t in token_ids if not _is_token_id(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt {i} has token id {bad!r} outside [0, {vocab}): use this model's tokenizer")
         if len(token_ids) >= self.max_model_len:
@@ -158,18 +239,69 @@ class LLM:
             raise ValueError("sampling_params must be SamplingParams objects")
         return params
 
-    def _output(self, text: str | None, seq: Sequence) -> RequestOutput:
-        completion = seq.completion_token_ids
-        decoded = self.tokenizer.decode(completion, skip_special_tokens=True) if self.tokenizer else None
-        return RequestOutput(prompt=text, prompt_token_ids=seq.token_ids[: seq.num_prompt_tokens],
-                             token_ids=completion, text=decoded, finish_reason=seq.finish_reason,
-                             kv_location=seq.kv_location, kv_device_tokens=seq.admitted_device_tokens,
-                             kv_promoted=seq.promoted, kv_demoted=seq.demoted)
+    def _output(self, text: str | None, seqs: list[Sequence]) -> RequestOutput:
+        first = seqs[0]
+        prompt_logprobs = None
+        if first.params.prompt_logprobs is not None:
+            prompt_logprobs = [None] + [self._logprobs(first.token_logprobs.get(p), first.params.prompt_logprobs)
+                                        for p in range(1, first.num_prompt_tokens)]
+        return RequestOutput(request_id=str(first.seq_id), prompt=text,
+                             prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
+                             outputs=[self._completion(i, seq) for i, seq in enumerate(seqs)],
+                             prompt_logprobs=prompt_logprobs,
+                             finished=all(seq.finish_reason is not None for seq in seqs),
+                             kv_location=first.kv_location, kv_device_tokens=first.admitted_device_tokens,
+                             kv_promoted=first.promoted, kv_demoted=first.demoted)
+
+    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
+        """As vLLM: a stop token's or stop string's text is left out unless include_stop_str_in_output; the
+        token ids keep the token that ended it."""
+        params, completion = seq.params, seq.completion_token_ids
+        stop_reason, shown = seq.stop_string, completion
+        if seq.finish_reason == "stop" and seq.stop_string is None and completion:
+            stop_reason = completion[-1] if completion[-1] in params.stop_token_ids else None
+            shown = completion if params.include_stop_str_in_output else completion[:-1]
+        text = None
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens) \
+                if params.detokenize else ""
+            if seq.stop_string is not None:
+                end = text.find(seq.stop_string)
+                text = text[: end + len(seq.stop_string) if params.include_stop_str_in_output else end]
+        logprobs = cumulative = None
+        if params.logprobs is not None:
+            entries = [seq.token_logprobs.get(p) for p in range(seq.num_prompt_tokens, len(seq))]
+            logprobs = [self._logprobs(entry, params.logprobs) for entry in entries]
+            cumulative = sum(entry[1] for entry in entries if entry is not None)
+        return CompletionOutput(index=index, text=text, token_ids=completion, cumulative_logprob=cumulative,
+                                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=stop_reason)
+
+    def _logprobs(self, entry: tuple | None, k: int) -> dict[int, Logprob] | None:
+        """vLLM's per-token dict: the top-k ids (ranks 1..k) and the token itself, each with its text."""
+        if entry is None:
+            return None
+        token, logprob, rank, top = entry
+        text = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else (lambda i: None)
+        found = {i: Logprob(lp, r + 1, text(i)) for r, (i, lp) in enumerate(top[:k])}
+        found.setdefault(token, Logprob(logprob, rank, text(token)))
+        return found
+
+    def _stop_string(self, seq: Sequence, length: int) -> str | None:
+        """The first of seq's stop strings in the text of its completion's first `length - prompt` tokens' tail:
+        enough tokens that any stop string ending in the newest one is whole there (one token shows >= 1 character,
+        or a part of one)."""
+        stops = seq.params.stop
+        window = max(map(len, stops)) + STOP_WINDOW_SLACK
+        tail = seq.token_ids[max(seq.num_prompt_tokens, length - window): length]
+        text = self.tokenizer.decode(tail, skip_special_tokens=seq.params.skip_special_tokens)
+        return next((stop for stop in stops if stop in text), None)
 
     def close(self) -> None:
         """Releases the host pool's pinning, the executor threads, the CUDA graphs and both pools. Idempotent;
-        `with LLM(...) as llm:` calls it, and so does garbage collection of an LLM that was never closed."""
-        self._finalizer()
+        `with LLM(...) as llm:` calls it, and so does garbage collection of an LLM that was never closed. A
+        generate() running on another thread finishes first."""
+        with self._lock:
+            self._finalizer()
 
     def __enter__(self):
         return self
@@ -178,12 +310,9 @@ class LLM:
         self.close()
 
 
-def _load_tokenizer(model_dir: str):
-    if not any(os.path.isfile(os.path.join(model_dir, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(model_dir)
+def _is_token_id(value) -> bool:
+    """An integer (numpy's too), not a bool."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
 def _eos_token_ids(model_dir: str, cfg: ModelConfig) -> tuple[int, ...]:
@@ -191,7 +320,6 @@ def _eos_token_ids(model_dir: str, cfg: ModelConfig) -> tuple[int, ...]:
     ids = set(cfg.eos_token_ids)
     path = os.path.join(model_dir, "generation_config.json")
     if os.path.isfile(path):
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
+        eos = read_json_object(path).get("eos_token_id")
         ids.update(eos if isinstance(eos, list) else [] if eos is None else [eos])
     return tuple(sorted(ids))

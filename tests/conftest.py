@@ -112,3 +112,14 @@ def text_model_dir(tmp_path_factory):
     """A tiny Qwen3 with a tokenizer, for string prompts."""
     return build_tiny_model(str(tmp_path_factory.mktemp("text") / "qwen3"), "qwen3", seed=4, with_tokenizer=True,
                             **{k: v for k, v in PARITY_SHAPE.items() if k != "vocab_size"})
+
+
+def with_tokenizer_config(model_dir: str, into, **changes) -> str:
+    """A copy of model_dir at `into` whose tokenizer_config.json has `changes` set."""
+    import json
+    import shutil
+
+    shutil.copytree(model_dir, into)
+    config_path = into / "tokenizer_config.json"
+    config_path.write_text(json.dumps({**json.loads(config_path.read_text()), **changes}))
+    return str(into)

@@ -53,10 +53,59 @@ def test_demo_sizes_are_checked(capsys):
     assert "--requests" in line
 
 
-def test_unknown_flag_still_exits_2():
-    with pytest.raises(SystemExit) as exit_info:
-        main(["generate", "--no-such-flag"])
-    assert exit_info.value.code == 2
+def test_unknown_flag_is_one_line(text_model_dir, capsys):
+    line = _user_error(capsys, ["generate", "--model", text_model_dir, "--prompt", "hi", "--no-such-flag"])
+    assert "--no-such-flag" in line and "--help" in line
+
+
+def test_truncated_weights_are_one_line(text_model_dir, tmp_path, capsys):
+    model_dir = tmp_path / "truncated"
+    shutil.copytree(text_model_dir, model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    line = _user_error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--device", "cpu"])
+    assert str(weights) in line and "re-download" in line
+
+
+def test_config_that_is_not_json_is_one_line(text_model_dir, tmp_path, capsys):
+    model_dir = tmp_path / "bad-json"
+    shutil.copytree(text_model_dir, model_dir)
+    (model_dir / "config.json").write_text('{"vocab_size": ')
+    line = _user_error(capsys, ["generate", "--model", str(model_dir), "--prompt", "hi", "--device", "cpu"])
+    assert "config.json is not valid JSON" in line
+
+
+def test_demo_prompt_longer_than_the_model_names_the_demo_flag(text_model_dir, monkeypatch, capsys):
+    from offload_engine import demo
+
+    monkeypatch.setattr(demo, "default_model_dir", lambda: text_model_dir)
+    line = _user_error(capsys, ["demo", "--prompt-len", "5000", "--device", "cpu"])
+    assert "use --prompt-len 511 or less" in line  # a flag the demo has (it has no --max-model-len)
+
+
+def test_ctrl_c_is_one_line_and_exit_130(monkeypatch, capsys):
+    from offload_engine import demo
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(demo, "run_demo", interrupted)
+    try:
+        main(["demo"])
+    except KeyboardInterrupt:
+        pytest.fail("Ctrl-C left the command as a traceback")
+    except SystemExit as exit_info:
+        assert exit_info.code == 130
+    else:
+        pytest.fail("the command ended normally after Ctrl-C")
+    assert capsys.readouterr().err == "offload-engine: interrupted\n"
+
+
+def test_kv_placement_choices_match_the_engine():
+    """The CLI spells the choices out so that parsing imports no torch; they must stay the engine's."""
+    from offload_engine import cli, config
+
+    assert cli.KV_PLACEMENTS == config.KV_PLACEMENTS
 
 
 def test_generate_prints_each_prompt(text_model_dir, capsys):
@@ -64,6 +113,18 @@ def test_generate_prints_each_prompt(text_model_dir, capsys):
           "--max-tokens", "4", "--device", "cpu"])
     out = capsys.readouterr().out
     assert "--- 'The quick'" in out and "--- 'offload'" in out
+
+
+def test_generate_json_is_vllms_request_output_with_the_first_completion_on_top(text_model_dir, capsys):
+    import json
+
+    main(["generate", "--model", text_model_dir, "--prompt", "The quick", "--max-tokens", "4", "--device", "cpu",
+          "--json"])
+    record = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    first = record["outputs"][0]
+    assert (record["text"], record["token_ids"], record["finish_reason"]) == (
+        first["text"], first["token_ids"], first["finish_reason"])
+    assert record["prompt"] == "The quick" and record["kv_location"] == "gpu" and len(first["token_ids"]) <= 4
 
 
 def test_demo_greedy_check_matches_transformers(text_model_dir, capsys):

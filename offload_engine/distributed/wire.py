@@ -60,9 +60,13 @@ def pack_moves(moves: list[tuple[Sequence, list[int]]]) -> list[tuple]:
     return [(_pack(seq), list(blocks)) for seq, blocks in moves]
 
 
+_RANK_ZERO_ONLY = ("token_ids", "after", "token_logprobs")  # sent otherwise, or only rank 0 reads them
+
+
 def _pack(seq: Sequence) -> tuple:
-    start = min(seq.num_computed_tokens, len(seq))
-    state = {name: value for name, value in vars(seq).items() if name != "token_ids"}
+    # Penalties read every token (on every rank: each samples), so a penalized row sends them all.
+    start = 0 if seq.params.penalized else min(seq.num_computed_tokens, len(seq))
+    state = {name: value for name, value in vars(seq).items() if name not in _RANK_ZERO_ONLY}
     return len(seq), start, seq.token_ids[start:], state
 
 
@@ -86,7 +90,7 @@ class SequenceMirror:
             seq = self._live.get(state["seq_id"])
             if seq is None:
                 seq = Sequence.__new__(Sequence)
-                seq.token_ids = []
+                seq.token_ids, seq.after, seq.token_logprobs = [], None, {}
                 self._live[state["seq_id"]] = seq
         tokens = seq.token_ids
         seq.__dict__.update(state)

@@ -86,11 +86,12 @@ class LLMEngine:
         budget = min(len(token_ids) + params.max_tokens, self.max_model_len)
         seq = Sequence(token_ids, params, budget)
         if not can_ever_fit(seq, self.cfg.kv_placement, self.blocks):
+            auto = "" if self.cfg.kv_placement == "auto" else ", use kv_placement='auto'"
             raise ValueError(
                 f"a request of {len(token_ids)} prompt + {params.max_tokens} new tokens needs more KV blocks than "
                 f"kv_placement={self.cfg.kv_placement!r} has (device pool: {self.runner.num_gpu_blocks} blocks of "
                 f"{self.cfg.block_size}, host pool: {self.runner.num_cpu_blocks} blocks of {self.cfg.cpu_block_size}): "
-                "raise num_gpu_blocks / num_cpu_blocks, use kv_placement='auto', or lower max_tokens")
+                f"raise num_gpu_blocks / num_cpu_blocks{auto}, or lower max_tokens")
         return seq
 
     def add(self, seq: Sequence) -> None:

@@ -43,6 +43,12 @@ class Sequence:
         self.held_since: int | None = None  # the engine step it was first held so host rows move up first
         self.num_hashed_blocks = 0  # leading full blocks already registered for prefix reuse
         self.finish_reason: str | None = None
+        self.stop_string: str | None = None  # the stop string its text showed, where one ended it
+        self.after: "Sequence | None" = None  # a sibling (SamplingParams.n) whose prompt must be computed first
+        self.min_tokens_bans: list[int] = []  # ids not drawn before params.min_tokens: eos and stop tokens
+        # position -> (token, logprob, rank, [(id, logprob)] top-k): its tokens' (SamplingParams.logprobs /
+        # prompt_logprobs), filled as they are sampled or prefilled
+        self.token_logprobs: dict[int, tuple] = {}
         # In a host step, a promotion's copy or on the prefill lane, not back yet: the scheduler leaves it alone.
         self.in_flight = False
 

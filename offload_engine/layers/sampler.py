@@ -1,4 +1,5 @@
-"""Token sampling: greedy, temperature, top-k and top-p, in one pass over the logits (kernels/sample.py). A row at
+"""Token sampling: greedy, temperature, top-k and top-p, in one pass over the logits (kernels/sample.py); the rarer
+settings (penalties, min_tokens, min_p) change the logits first where a row has them (logits_processing.py). A row at
 temperature t takes argmax(x / t + G), G Gumbel noise from Philox under the row's 64-bit key: an exact draw from
 softmax(x / t). A seeded request's key comes from its seed and its token's position, so its tokens depend on neither
 batch, chunking, lane nor CUDA graphs. Top-k and top-p filter the scaled logits first (a sort).
@@ -9,6 +10,7 @@ import numpy as np
 import torch
 
 from kernels.sample import sample_tokens
+from offload_engine.layers.logits_processing import LogitsProcessing, apply_min_p, penalize
 from offload_engine.layers.philox import philox_uniform
 
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
@@ -21,6 +23,7 @@ class SamplingBatch:
     top_ks: torch.Tensor | None = None  # [B] int64, the vocabulary's size where off; only with needs_filter
     top_ps: torch.Tensor | None = None  # [B] float32, 1 where off; only with needs_filter
     needs_filter: bool = False  # some row has top-k or top-p on: only then is the vocabulary sorted
+    processing: LogitsProcessing | None = None  # penalties, min_tokens, min_p (logits_processing.py)
 
     @property
     def all_greedy(self) -> bool:
@@ -29,13 +32,19 @@ class SamplingBatch:
 
 def sample(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor | None = None) -> torch.Tensor:
     """logits [B, V] -> token ids [B] int64 (into `out` where given). No host syncs: it runs inside CUDA graphs."""
+    processing = batch.processing
+    if processing is not None:
+        logits = penalize(logits, processing)
     if batch.all_greedy:
         return torch.argmax(logits, dim=-1, out=out) if out is not None else logits.argmax(dim=-1)
     temperatures = batch.temperatures
-    if batch.needs_filter:
+    min_ps = processing.min_ps if processing is not None else None
+    if batch.needs_filter or min_ps is not None:
         sampled = temperatures > 0
         scaled = logits / torch.where(sampled, temperatures, 1.0).unsqueeze(1)
-        logits = _filter_top_k_top_p(scaled, batch.top_ks, batch.top_ps)
+        if min_ps is not None:
+            scaled = apply_min_p(scaled, torch.where(sampled, min_ps, 0.0))  # greedy rows keep every logit
+        logits = _filter_top_k_top_p(scaled, batch.top_ks, batch.top_ps) if batch.needs_filter else scaled
         temperatures = sampled.to(torch.float32)  # already scaled: the kernel divides by 1
     if logits.is_cuda:
         return sample_tokens(logits, temperatures, batch.keys, out=out)

@@ -57,3 +57,12 @@ def test_a_value_the_wire_does_not_name_fails_at_the_sender():
     seq.extra = object()
     with pytest.raises(TypeError, match="does not cross"):
         encode_call(Call("prefill", (pack_seqs([seq]),), after=0))
+
+
+def test_a_penalized_row_sends_every_token_since_each_rank_samples_it():
+    seq = _random_sequence(random.Random(9))
+    seq.params = SamplingParams(presence_penalty=0.5)
+    seq.token_ids[-1] = 5  # (the worker reads tokens as they are: a pending place is rank 0's own)
+    copy = SequenceMirror().unpack_seqs(decode_call(encode_call(Call("decode_host", (pack_seqs([seq]),),
+                                                                     after=0))).args[0])[0]
+    assert copy.token_ids == seq.token_ids and copy.params == seq.params

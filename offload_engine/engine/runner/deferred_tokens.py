@@ -6,6 +6,7 @@ import torch
 
 from offload_engine.engine.runner.cpu_gpu_buffer import HOST_COPIES
 from offload_engine.engine.sequence import Sequence
+from offload_engine.layers.logits_processing import record_logprobs
 
 
 class SampledIdBuffers:
@@ -31,6 +32,7 @@ class DeferredTokens:
         self.quiet = True  # no KV copy was queued with it, so its time is the step's own (LaneStats)
         self.moved = (0, 0.0)  # tokens moved between the tiers with it, and the engine thread's seconds for them
         self.landed = None
+        self.logprobs = None  # TokenLogprobs of rows that asked (SamplingParams.logprobs), recorded when read
         # `sampled` is where every step of the lane leaves its ids (input_batch.py): copied before the next step.
         self.host = host.copy_(sampled, non_blocking=sampled.is_cuda)
         if sampled.is_cuda:
@@ -40,7 +42,11 @@ class DeferredTokens:
     def result(self) -> list[int]:
         if self.landed is not None:
             self.landed.synchronize()
-        return self.host.tolist()
+        ids = self.host.tolist()
+        if self.logprobs is not None:
+            record_logprobs(self.seqs, self.positions, ids, self.logprobs)
+            self.logprobs = None
+        return ids
 
     def wait(self) -> None:
         """Waits for the step without reading it (LLMEngine.abort: its rows are dropped)."""

@@ -5,7 +5,8 @@ import torch
 from offload_engine.engine.graphs.graph_dispatch import GraphMode
 from offload_engine.engine.runner.deferred_tokens import DeferredTokens, SampledIdBuffers
 from offload_engine.engine.runner.input_batch import DecodeInputBatch
-from offload_engine.engine.sequence import Sequence
+from offload_engine.engine.sequence import PENDING_TOKEN, Sequence
+from offload_engine.layers.logits_processing import token_logprobs
 from offload_engine.layers.sampler import sample
 
 
@@ -23,7 +24,7 @@ class DeviceLaneDecode:
         rows = batch.place(seqs)
         count = len(rows)
         padded = padded if mode == GraphMode.FULL else count  # only a whole-step graph runs padding rows
-        meta = batch.prepare(padded, self.last_step, sampling_settings(rows))
+        meta = batch.prepare(padded, self.last_step, sampling_settings(rows, self._pending_ids(rows)))
         sampled = batch.sampled[:count]
         if mode == GraphMode.FULL:
             logits = graphs.replay(padded, count)  # gathers its tokens and samples into batch.sampled in the graph
@@ -34,10 +35,19 @@ class DeviceLaneDecode:
             else:
                 logits = model.compute_logits(model(token_ids, positions, meta))
             sample(logits, batch.sampling(count), out=sampled)
-        if batch.filtered is not None:  # a row with top-k or top-p: the graph's draw is replaced
+        if batch.filtered is not None:  # a row with top-k or top-p, penalties, min_p: the graph's draw is replaced
             sample(logits, batch.filtered, out=sampled)
         self.last_step = self.sampled_ids.defer(rows, sampled)
+        self.last_step.logprobs = token_logprobs(logits[:count], sampled, [s.params.logprobs for s in rows])
         return self.last_step
+
+    def _pending_ids(self, rows: list[Sequence]) -> dict[int, int] | None:
+        """The in-flight step's ids, read (a wait) only where a penalized row's newest token is among them."""
+        step = self.last_step
+        if step is None or not any(s.params.penalized and s.token_ids[-1] == PENDING_TOKEN for s in rows):
+            return None
+        ids = step.result()
+        return {seq.seq_id: ids[row] for seq, row in ((s, step.row_of.get(s.seq_id)) for s in rows) if row is not None}
 
     def forget(self) -> None:
         self.last_step = None

@@ -38,7 +38,7 @@ class DecodeInputBatch:
         self.token_ids = torch.zeros(max_rows, dtype=torch.int64, device=device)
         self.sampled = torch.zeros(max_rows, dtype=torch.int64, device=device)  # the last step's ids, by its rows
         self.block_tables = torch.full((max_rows, max_blocks), -1, dtype=torch.int32, device=device)
-        self.filtered: SamplingBatch | None = None  # the step's top-k/top-p settings, where a row has them
+        self.filtered: SamplingBatch | None = None  # top-k/top-p, penalties, min_p: where a row has them
         self.empty_host = torch.empty(0)
 
     def place(self, seqs: list[Sequence]) -> list[Sequence]:
@@ -111,12 +111,16 @@ class DecodeInputBatch:
             return
         temperatures[:count] = settings[0]
         self.inputs.host(parity, "keys")[:count] = settings[1]
-        if settings[2] is not None:  # top-k / top-p: sampled again after the step (DeviceLaneDecode)
-            self.inputs.host(parity, "top_ks")[:count] = settings[2]
-            self.inputs.host(parity, "top_ps")[:count] = settings[3]
+        filters, processing = settings[2] is not None, settings[4]
+        if filters or processing is not None:  # top-k / top-p, penalties, min_p: sampled again after the step
             dev = self.inputs.device
-            self.filtered = SamplingBatch(dev["temperatures"][:count], dev["keys"][:count], dev["top_ks"][:count],
-                                          dev["top_ps"][:count], needs_filter=True)
+            if filters:
+                self.inputs.host(parity, "top_ks")[:count] = settings[2]
+                self.inputs.host(parity, "top_ps")[:count] = settings[3]
+            self.filtered = SamplingBatch(dev["temperatures"][:count], dev["keys"][:count],
+                                          dev["top_ks"][:count] if filters else None,
+                                          dev["top_ps"][:count] if filters else None, needs_filter=filters,
+                                          processing=processing)
 
     def gather_tokens(self, size: int) -> torch.Tensor:
         """token_ids[:size] = the host's token, or the in-flight step's sampled id where feed says so. Queued on

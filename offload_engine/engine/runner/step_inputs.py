@@ -12,6 +12,7 @@ from offload_engine.engine.tiers.pinned_ring import PinnedRing
 from offload_engine.engine.tiers.slots import slots_for
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging, StreamedKV
 from offload_engine.layers.host_block_writes import HostBlockWrites, plan_host_block_writes
+from offload_engine.layers.logits_processing import logits_processing
 from offload_engine.layers.sampler import SamplingBatch, sampling_keys
 
 STAGING_BYTES = 16 << 20  # a prefill's inputs at max_num_batched_tokens=16k are ~0.5 MB; larger ones pin once
@@ -56,33 +57,37 @@ class StepInputBuilder:
         self.ring.busy_until(region, copied)
         return moved
 
-    def sampling_settings(self, seqs: list[Sequence], vocab: int) -> tuple | None:
-        """Per-row (temperatures, keys, top-ks, top-ps) as host arrays, the last two None where no row filters; None
-        where every row is greedy."""
+    def sampling_settings(self, seqs: list[Sequence], vocab: int, pending: dict[int, int] | None = None
+                          ) -> tuple | None:
+        """Per-row (temperatures, keys, top-ks, top-ps) as host arrays, the last two None where no row filters, and
+        the rows' LogitsProcessing on the device (None where no row has any); None where every row is greedy and
+        unprocessed. pending: ids of newest tokens the host holds only places for (logits_processing)."""
         params = [s.params for s in seqs]
-        if all(p.greedy for p in params):
+        processing = logits_processing(seqs, self.to_device, pending)
+        if all(p.greedy for p in params) and processing is None:
             return None
         temperatures = np.array([p.temperature for p in params], dtype=np.float32)
         # A row's key goes with the position its token takes (len(seq)): a seeded request draws the same
         # noise there whatever the batch, the chunking of its prompt or the lane.
         keys = sampling_keys([p.seed for p in params], np.array([len(s) for s in seqs]), self.rng)
         if not any(0 < p.top_k < vocab or p.top_p < 1 for p in params):
-            return temperatures, keys, None, None
+            return temperatures, keys, None, None, processing
         # Greedy rows keep every logit: their argmax must not depend on how a filter breaks ties.
         top_ks = np.array([p.top_k if 0 < p.top_k < vocab and not p.greedy else vocab for p in params], np.int64)
         top_ps = np.array([1.0 if p.greedy else p.top_p for p in params], dtype=np.float32)
-        return temperatures, keys, top_ks, top_ps
+        return temperatures, keys, top_ks, top_ps, processing
 
     def sampling(self, seqs: list[Sequence], vocab: int) -> SamplingBatch:
         settings = self.sampling_settings(seqs, vocab)
         if settings is None:  # argmax only: no per-row settings cross to the device
             return SamplingBatch(None, None)
-        temperatures, keys, top_ks, top_ps = settings
+        temperatures, keys, top_ks, top_ps, processing = settings
         filtered = top_ks is not None
         return SamplingBatch(
             temperatures=self.to_device(temperatures, torch.float32), keys=self.to_device(keys, torch.int64),
             top_ks=self.to_device(top_ks, torch.int64) if filtered else None,
-            top_ps=self.to_device(top_ps, torch.float32) if filtered else None, needs_filter=filtered)
+            top_ps=self.to_device(top_ps, torch.float32) if filtered else None, needs_filter=filtered,
+            processing=processing)
 
     def release(self) -> None:
         if self.ring is not None:

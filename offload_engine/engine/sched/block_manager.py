@@ -180,8 +180,10 @@ class BlockManager:
     @staticmethod
     def _take_blocks(pool: BlockPool, seq: Sequence, count: int) -> tuple[list[int], int]:
         """`count` blocks for the sequence's leading tokens, cached ones while they match: (table, hits)."""
-        # Only blocks wholly before the last token may hit: that token must be computed to give logits.
-        reusable = (len(seq) - 1) // pool.block_size if pool.enable_prefix_caching else 0
+        # Only blocks wholly before the last token may hit: that token must be computed to give logits. A request
+        # for prompt_logprobs computes every token (a hit would skip their logits).
+        wants_every_logit = seq.params.prompt_logprobs is not None
+        reusable = (len(seq) - 1) // pool.block_size if pool.enable_prefix_caching and not wants_every_logit else 0
         table, hits, prefix_hash = [], 0, None
         for i in range(count):
             block_id = None

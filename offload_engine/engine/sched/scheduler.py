@@ -31,6 +31,9 @@ class Scheduler:
         self.segment_tokens = segment_tokens  # of a layer-major prefill segment; 0: none
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
+        # (seq, length) -> the stop string its first `length` tokens' text ends with, or None; set by whoever holds
+        # the tokenizer (LLM), needed only for requests with SamplingParams.stop.
+        self.stop_strings = None
         self.waiting: deque[Sequence] = deque()
         self.running: deque[Sequence] = deque()  # in admission order: the newest is preempted first
         self.stats = stats
@@ -105,6 +108,8 @@ class Scheduler:
                 batch.append(seq)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
+            if _waits_for_sibling(seq):
+                break  # its prompt's blocks come from the sibling's prefix, once computed
             tier = choose_tier(seq, self.kv_placement, self.blocks, self.running, self.stats, self._could_join(),
                                self.kv_promotion, self.num_steps)
             if tier is None:
@@ -124,7 +129,8 @@ class Scheduler:
         count = min(seq.num_uncomputed_tokens, budget)
         alone = budget == self.max_num_batched_tokens
         staged = seq.location == BlockLocation.CPU and seq.num_computed_tokens + count > seq.num_device_tokens
-        if alone and staged and count < seq.num_uncomputed_tokens:
+        # (A segment gives logits of its last token only: prompt_logprobs need every chunk's.)
+        if alone and staged and count < seq.num_uncomputed_tokens and seq.params.prompt_logprobs is None:
             count = min(seq.num_uncomputed_tokens, max(budget, self.segment_tokens))
         seq.num_scheduled_tokens = count
         return count
@@ -282,8 +288,14 @@ class Scheduler:
         """Why seq ends with `token`, its length-th token (default: its newest), or None."""
         params = seq.params
         length = len(seq) if length is None else length
+        if length - seq.num_prompt_tokens < params.min_tokens:  # (its eos and stop tokens are not drawn till then)
+            return "length" if length >= self.max_model_len else None
         if (token in self.eos_token_ids and not params.ignore_eos) or token in params.stop_token_ids:
             return "stop"
+        if params.stop and self.stop_strings is not None:
+            seq.stop_string = self.stop_strings(seq, length)
+            if seq.stop_string is not None:
+                return "stop"
         if length - seq.num_prompt_tokens >= params.max_tokens or length >= self.max_model_len:
             return "length"
         return None
@@ -302,3 +314,9 @@ def prefills_on_lane(seq: Sequence) -> bool:
     """Whether a prompt chunk runs on the prefill lane, where there is one: unsplit device-tier rows. The others
     write the host pool, which only the decode runner does."""
     return seq.location == BlockLocation.GPU and not seq.is_split
+
+
+def _waits_for_sibling(seq: Sequence) -> bool:
+    """A completion of SamplingParams.n whose first sibling has not computed its prompt yet (nor finished)."""
+    first = seq.after
+    return first is not None and not first.is_finished and first.num_computed_tokens < first.num_prompt_tokens
