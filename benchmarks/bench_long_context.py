@@ -305,6 +305,53 @@ HEADLINE = ("decode_tok_per_s", "bound_tok_per_s", "fraction_of_bound", "bound_l
             "host_kernel_bytes", "prefill_tok_per_s", "output_tok_per_s")
 
 
+def plot(json_path: str, png_path: str) -> None:
+    """long_context.json's entries: decode as a fraction of the bound (streaming on, off, host-only placement), and
+    output tok/s against transformers' offloaded cache."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    with open(json_path) as f:
+        entries = json.load(f)["entries"]
+    names = [f"{e.get('workload')}\n{e.get('num_seqs', 0)} x {e.get('prompt_len', 0):,}\n({e.get('commit')})"
+             for e in entries]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.8))
+    width, x = 0.25, range(len(entries))
+    for k, (label, rate) in enumerate((("streaming on (auto)", "decode_tok_per_s"),
+                                       ("streaming off", "decode_tok_per_s_cpu_path_only"),
+                                       ("host-only placement", "cpu_placement_tok_per_s"))):
+        values = [ratio(e.get(rate), e.get("bound_tok_per_s")) or 0 for e in entries]
+        _bars(left, [i + (k - 1) * width for i in x], values, width, label)
+    left.axhline(1.0, color="grey", lw=0.8, ls="--")
+    left.set_xticks(list(x), names, fontsize=8)
+    left.set_ylabel("decode tok/s / bound (both paths' ceilings)")
+    left.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3)
+    ours = [e.get("output_tok_per_s") or 0 for e in entries]
+    peer = [e.get("hf_offloaded_tok_per_s") or 0 for e in entries]
+    for k, (label, values) in enumerate((("offload-engine", ours), ("transformers offloaded cache", peer))):
+        _bars(right, [i + (k - 0.5) * width for i in x], values, width, label, log=True)
+    right.set_xticks(list(x), names, fontsize=8)
+    right.set_ylabel("output tok/s (prefill included)")
+    right.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=2)
+    fig.suptitle(f"Long contexts beyond VRAM, {entries[0].get('device', '') if entries else ''}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+
+
+def _bars(ax, xs: list[float], values: list[float], width: float, label: str, log: bool = False) -> None:
+    """Bars labelled with their values; a missing value (0) is written "not run" at the axis' foot."""
+    if log:
+        ax.set_yscale("log")
+    bars = ax.bar(xs, [v or float("nan") for v in values], width, label=label)
+    ax.bar_label(bars, labels=[f"{v:.2f}" if v else "" for v in values], fontsize=7)
+    for x, v in zip(xs, values):
+        if not v:
+            ax.text(x, 0.02, "not run", transform=ax.get_xaxis_transform(), ha="center", fontsize=7, rotation=90)
+
+
 def run_workload(spec: LongContext, ceilings: dict, out_path: str, deadline: Deadline, model_cache: str,
                  skip_peer: bool = False, skip_cpu: bool = False) -> dict:
     """The workload's entry, written to out_path after every run (see the module docstring)."""
@@ -362,7 +409,11 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--deadline-s", type=float, default=540.0, help="the process's wall-clock budget")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--peer-attempt", default=None, help=argparse.SUPPRESS)  # a peer subprocess's request
+    parser.add_argument("--plot", default=None, metavar="JSON", help="only plot a long_context.json beside it")
     args = parser.parse_args(argv)
+    if args.plot:
+        plot(args.plot, os.path.splitext(args.plot)[0] + ".png")
+        return None
     if args.peer_attempt:
         peer_attempt(json.loads(args.peer_attempt))
         return None
@@ -375,8 +426,10 @@ def main(argv: list[str] | None = None) -> dict | None:
         f"{ceilings['stream_gbps']} GB/s, together {ceilings['together']}, HBM {ceilings['hbm_gbps']} GB/s "
         f"{ceilings['stream_error'] or ''}")
     out_dir = args.out_dir or os.path.join(RESULTS, device_slug())
-    return run_workload(spec, ceilings, os.path.join(out_dir, "long_context.json"), deadline, args.model_cache,
-                        args.skip_peer, args.skip_cpu)
+    out_path = os.path.join(out_dir, "long_context.json")
+    entry = run_workload(spec, ceilings, out_path, deadline, args.model_cache, args.skip_peer, args.skip_cpu)
+    plot(out_path, os.path.splitext(out_path)[0] + ".png")
+    return entry
 
 
 if __name__ == "__main__":
