@@ -1,5 +1,6 @@
 """The public entry point: `LLM(model_dir, ...).generate(prompts, sampling_params)`."""
 import dataclasses
+import functools
 import numbers
 import os
 import threading
@@ -11,12 +12,10 @@ from tqdm.auto import tqdm
 from offload_engine.config import DTYPES, EngineConfig, ModelConfig, read_json_object
 from offload_engine.engine.llm_engine import LLMEngine
 from offload_engine.engine.sequence import Sequence
-from offload_engine.outputs import CompletionOutput, Logprob, RequestOutput
+from offload_engine.completions import matched_stop_string, request_output
+from offload_engine.outputs import RequestOutput
 from offload_engine.sampling_params import SamplingParams
 from offload_engine.tokenizer import load_tokenizer
-
-
-STOP_WINDOW_SLACK = 8  # tokens beyond a stop string's length in characters that _stop_string decodes: partial bytes
 
 
 class LLM:
@@ -76,7 +75,7 @@ class LLM:
         # the engine, never this object, so an LLM that is dropped unclosed is still collected and released.
         self._finalizer = weakref.finalize(self, self.engine.close)
         if self.tokenizer is not None:
-            self.engine.scheduler.stop_strings = self._stop_string
+            self.engine.scheduler.stop_strings = functools.partial(matched_stop_string, self.tokenizer)
 
     def _max_model_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -113,7 +112,7 @@ class LLM:
             except BaseException:
                 self.engine.abort()  # the error (or KeyboardInterrupt) goes on up; the engine is left empty, usable
                 raise
-            return [self._output(text, completions) for text, completions in zip(texts, requests)]
+            return [request_output(text, completions, self.tokenizer) for text, completions in zip(texts, requests)]
 
     def _completions(self, token_ids: list[int], params: SamplingParams) -> list[Sequence]:
         """params.n sequences of the prompt; the i-th seeded with seed + i, and every one after the first admitted
@@ -238,63 +237,6 @@ class LLM:
         if not all(isinstance(p, SamplingParams) for p in params):
             raise ValueError("sampling_params must be SamplingParams objects")
         return params
-
-    def _output(self, text: str | None, seqs: list[Sequence]) -> RequestOutput:
-        first = seqs[0]
-        prompt_logprobs = None
-        if first.params.prompt_logprobs is not None:
-            prompt_logprobs = [None] + [self._logprobs(first.token_logprobs.get(p), first.params.prompt_logprobs)
-                                        for p in range(1, first.num_prompt_tokens)]
-        return RequestOutput(request_id=str(first.seq_id), prompt=text,
-                             prompt_token_ids=first.token_ids[: first.num_prompt_tokens],
-                             outputs=[self._completion(i, seq) for i, seq in enumerate(seqs)],
-                             prompt_logprobs=prompt_logprobs,
-                             finished=all(seq.finish_reason is not None for seq in seqs),
-                             kv_location=first.kv_location, kv_device_tokens=first.admitted_device_tokens,
-                             kv_promoted=first.promoted, kv_demoted=first.demoted)
-
-    def _completion(self, index: int, seq: Sequence) -> CompletionOutput:
-        """As vLLM: a stop token's or stop string's text is left out unless include_stop_str_in_output; the
-        token ids keep the token that ended it."""
-        params, completion = seq.params, seq.completion_token_ids
-        stop_reason, shown = seq.stop_string, completion
-        if seq.finish_reason == "stop" and seq.stop_string is None and completion:
-            stop_reason = completion[-1] if completion[-1] in params.stop_token_ids else None
-            shown = completion if params.include_stop_str_in_output else completion[:-1]
-        text = None
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(shown, skip_special_tokens=params.skip_special_tokens) \
-                if params.detokenize else ""
-            if seq.stop_string is not None:
-                end = text.find(seq.stop_string)
-                text = text[: end + len(seq.stop_string) if params.include_stop_str_in_output else end]
-        logprobs = cumulative = None
-        if params.logprobs is not None:
-            entries = [seq.token_logprobs.get(p) for p in range(seq.num_prompt_tokens, len(seq))]
-            logprobs = [self._logprobs(entry, params.logprobs) for entry in entries]
-            cumulative = sum(entry[1] for entry in entries if entry is not None)
-        return CompletionOutput(index=index, text=text, token_ids=completion, cumulative_logprob=cumulative,
-                                logprobs=logprobs, finish_reason=seq.finish_reason, stop_reason=stop_reason)
-
-    def _logprobs(self, entry: tuple | None, k: int) -> dict[int, Logprob] | None:
-        """vLLM's per-token dict: the top-k ids (ranks 1..k) and the token itself, each with its text."""
-        if entry is None:
-            return None
-        token, logprob, rank, top = entry
-        text = (lambda i: self.tokenizer.decode([i], skip_special_tokens=False)) if self.tokenizer else (lambda i: None)
-        found = {i: Logprob(lp, r + 1, text(i)) for r, (i, lp) in enumerate(top[:k])}
-        found.setdefault(token, Logprob(logprob, rank, text(token)))
-        return found
-
-    def _stop_string(self, seq: Sequence, length: int) -> str | None:
-        """The first of seq's stop strings in the text of its completion's first `length - prompt` tokens' tail:
-        enough tokens that any stop string ending in the newest one is whole there (one token shows >= 1 character,
-        or a part of one)."""
-        stops = seq.params.stop
-        window = max(map(len, stops)) + STOP_WINDOW_SLACK
-        tail = seq.token_ids[max(seq.num_prompt_tokens, length - window): length]
-        text = self.tokenizer.decode(tail, skip_special_tokens=seq.params.skip_special_tokens)
-        return next((stop for stop in stops if stop in text), None)
 
     def close(self) -> None:
         """Releases the host pool's pinning, the executor threads, the CUDA graphs and both pools. Idempotent;

@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 
 from offload_engine import LLM, SamplingParams
+from offload_engine.completions import completion
 from offload_engine.outputs import CompletionOutput, RequestOutput
 from tests.conftest import TEST_DEVICE, with_tokenizer_config
 from tests.oracle import hf_greedy, random_prompts
@@ -151,7 +152,7 @@ def test_text_options_detokenize_and_skip_special_tokens(text_llm):
         seq = Sequence([1, 2], SamplingParams(skip_special_tokens=skip), budget=32)
         seq.token_ids += ids
         seq.finish_reason = "length"
-        assert text_llm._completion(0, seq).text == tokenizer.decode(ids, skip_special_tokens=skip)
+        assert completion(0, seq, text_llm.tokenizer).text == tokenizer.decode(ids, skip_special_tokens=skip)
     assert "<|endoftext|>" in tokenizer.decode(ids, skip_special_tokens=False)
 
 
@@ -163,11 +164,11 @@ def test_a_vllm_offline_script_runs_unchanged(chat_model_dir):
     outputs = llm.generate(["The quick brown fox", "Pack my box with"], params)
     for output in outputs:
         assert len(output.outputs) == 2 and isinstance(output.outputs[0].text, str)
-        for completion in output.outputs:
-            assert len(completion.token_ids) >= 2 and len(completion.logprobs) == len(completion.token_ids)
-            assert all(len(entry) in (5, 6) for entry in completion.logprobs)  # the top 5, and the token if not
-            assert "\n" not in completion.text and "fox" not in completion.text
-            assert completion.finish_reason in ("stop", "length")
+        for sample in output.outputs:
+            assert len(sample.token_ids) >= 2 and len(sample.logprobs) == len(sample.token_ids)
+            assert all(len(entry) in (5, 6) for entry in sample.logprobs)  # the top 5, and the token if not
+            assert "\n" not in sample.text and "fox" not in sample.text
+            assert sample.finish_reason in ("stop", "length")
     replies = llm.chat([{"role": "user", "content": "Hello"}], SamplingParams(max_tokens=5))
     assert replies[0].outputs[0].text == replies[0].text and replies[0].prompt.endswith("<|assistant|>")
     llm.close()
