@@ -37,8 +37,10 @@ class DeviceLaneDecode:
             sample(logits, batch.sampling(count), out=sampled)
         if batch.filtered is not None:  # a row with top-k or top-p, penalties, min_p: the graph's draw is replaced
             sample(logits, batch.filtered, out=sampled)
+        # Before defer: its event, which the host waits on before reading the step, then covers them too.
+        logprobs = token_logprobs(logits[:count], sampled, [s.params.logprobs for s in rows])
         self.last_step = self.sampled_ids.defer(rows, sampled)
-        self.last_step.logprobs = token_logprobs(logits[:count], sampled, [s.params.logprobs for s in rows])
+        self.last_step.logprobs = logprobs
         return self.last_step
 
     def _pending_ids(self, rows: list[Sequence]) -> dict[int, int] | None:
