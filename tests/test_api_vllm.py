@@ -104,10 +104,12 @@ def test_chat_without_a_template_says_how_to_give_one(text_llm):
     assert reply.prompt == "<|user|>hi\n<|assistant|>"
 
 
-def test_n_completions_share_the_prompts_blocks_and_the_ith_is_seeded_seed_plus_i(qwen3_dir):
+@pytest.mark.parametrize("placement", ("gpu", "cpu"))
+def test_n_completions_share_the_prompts_blocks_and_the_ith_is_seeded_seed_plus_i(qwen3_dir, placement):
     prompt = random_prompts((40,), 256, seed=8)[0]  # 2 full blocks of 16 and a part
     sampled = dict(temperature=0.9, top_k=30, max_tokens=6)
-    with LLM(qwen3_dir, device=TEST_DEVICE, block_size=16) as llm:
+    with LLM(qwen3_dir, device=TEST_DEVICE, block_size=16, cpu_block_size=16, kv_placement=placement,
+             num_cpu_blocks=64) as llm:
         hits_before = llm.engine.blocks.num_prefix_hit_tokens
         out = llm.generate([prompt], SamplingParams(n=3, seed=11, **sampled), use_tqdm=False)[0]
         assert llm.engine.blocks.num_prefix_hit_tokens - hits_before == 2 * 32  # both siblings hit the 2 blocks

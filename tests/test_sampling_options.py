@@ -128,3 +128,23 @@ def test_penalties_count_the_newest_token_while_its_step_is_in_flight(qwen3_dir,
         llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, frequency_penalty=0.5),
                      use_tqdm=False)
     assert seen == list(range(8))  # the prefill's draw saw none, decode step k saw the k tokens made so far
+
+
+@pytest.mark.parametrize("placement", ("cpu", "auto"))
+def test_every_option_holds_on_the_host_lane_and_split_rows(qwen3_dir, placement):
+    # Host-tier rows ("cpu"), and under "auto" a device pool too small for the prompts (split and host rows): the
+    # same logprobs, penalties and min_tokens as the reference, whichever lane decodes.
+    prompts = random_prompts((70, 90), 256, seed=13)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=2, repetition_penalty=1.4,
+                            min_tokens=3, stop_token_ids=[7])
+    with LLM(qwen3_dir, device=TEST_DEVICE, kv_placement=placement, num_gpu_blocks=6, num_cpu_blocks=16,
+             cpu_block_size=16) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert placement == "cpu" or {o.kv_location for o in outputs} & {"split", "cpu"}
+    for prompt, out in zip(prompts, outputs):
+        tokens, logits = _hf_generate(qwen3_dir, prompt, max_new_tokens=8, repetition_penalty=1.4, min_new_tokens=3,
+                                      eos_token_id=[7])
+        assert out.token_ids == tokens
+        for token, entry, step_logits in zip(tokens, out.outputs[0].logprobs, logits):
+            # transformers' output_logits are the model's: the logprobs are of those, not of the penalized ones
+            assert entry[token].logprob == pytest.approx(step_logits.double().log_softmax(-1)[token].item(), abs=1e-4)
