@@ -11,6 +11,7 @@ setup(
     install_requires=[
         "triton>=3.4",
         "transformers>=4.51",
+        "tokenizers",  # read directly: tokenizer.json without importing transformers
         "safetensors",
         "numpy",
         "numba>=0.60",
