@@ -13,22 +13,13 @@ import time
 
 import torch
 
+from benchmarks.profile_prefill import timed
 from kernels.paged_prefill import _tile_config, paged_prefill_attention
 
 SHAPES = {"c_64k": (16, 8, 65536), "c_262k": (16, 8, 262144), "8b_32k": (32, 8, 32768)}
 CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 8, 4), (128, 64, 4, 3),
            (64, 64, 4, 3), (64, 128, 4, 3), (128, 128, 8, 4), (256, 64, 8, 3)]
 CHUNK, HEAD_DIM, BLOCK_SIZE = 16384, 128, 16
-
-
-def timed(fn, repeats: int = 3) -> float:
-    fn()
-    torch.cuda.synchronize()
-    began = time.perf_counter()
-    for _ in range(repeats):
-        fn()
-    torch.cuda.synchronize()
-    return (time.perf_counter() - began) / repeats
 
 
 def sweep_shape(heads: int, kv_heads: int, context: int) -> dict:
@@ -49,7 +40,7 @@ def sweep_shape(heads: int, kv_heads: int, context: int) -> dict:
             run = lambda: paged_prefill_attention(q, k, v, table, cu, lens, HEAD_DIM ** -0.5, CHUNK,
                                                   contiguous=contiguous, config=config)
             try:
-                seconds = timed(run)
+                seconds = timed(run, repeats=3)
                 diff = (run()[0].float() - reference.float()).abs().max().item()
                 rows.append({"config": config, "contiguous": contiguous, "tflops": flop / seconds / 1e12,
                              "max_abs_diff": diff})
@@ -59,7 +50,7 @@ def sweep_shape(heads: int, kv_heads: int, context: int) -> dict:
             print(heads, context, rows[-1], flush=True)
     sq = q[:, :, :].transpose(0, 1)[None]  # [1, Hq, CHUNK, D]
     sk = k.reshape(-1, kv_heads, HEAD_DIM)[:CHUNK].transpose(0, 1)[None].repeat_interleave(heads // kv_heads, 1)
-    sdpa_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(sq, sk, sk, is_causal=True))
+    sdpa_s = timed(lambda: torch.nn.functional.scaled_dot_product_attention(sq, sk, sk, is_causal=True), repeats=3)
     sdpa = 4 * heads * HEAD_DIM * CHUNK * (CHUNK + 1) / 2 / sdpa_s / 1e12
     return {"heads": heads, "kv_heads": kv_heads, "context": context, "chunk": CHUNK, "sdpa_causal_chunk_tflops": sdpa,
             "default_config": _tile_config(q.device, q.dtype, HEAD_DIM), "rows": rows}

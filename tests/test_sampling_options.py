@@ -148,3 +148,18 @@ def test_every_option_holds_on_the_host_lane_and_split_rows(qwen3_dir, placement
         for token, entry, step_logits in zip(tokens, out.outputs[0].logprobs, logits):
             # transformers' output_logits are the model's: the logprobs are of those, not of the penalized ones
             assert entry[token].logprob == pytest.approx(step_logits.double().log_softmax(-1)[token].item(), abs=1e-4)
+
+
+def test_prompt_logprobs_across_prefill_chunks_and_logit_slices(qwen3_dir, monkeypatch):
+    from offload_engine.layers import logits_processing
+
+    monkeypatch.setattr(logits_processing, "PROMPT_LOGITS_ROWS", 7)  # several slices a chunk
+    prompt = random_prompts((45,), 256, seed=17)[0]
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    with LLM(qwen3_dir, device=TEST_DEVICE, max_num_batched_tokens=16, prefill_graph_tokens=0) as llm:
+        out = llm.generate([prompt, prompt[:20]], params, use_tqdm=False)[0]  # three chunks, beside another row
+    with torch.no_grad():
+        want = _hf_model(qwen3_dir)(torch.tensor([prompt])).logits[0].double().log_softmax(-1)
+    assert [p for p in range(1, len(prompt)) if out.prompt_logprobs[p] is None] == []
+    for p in range(1, len(prompt)):
+        assert out.prompt_logprobs[p][prompt[p]].logprob == pytest.approx(want[p - 1][prompt[p]].item(), abs=1e-4)

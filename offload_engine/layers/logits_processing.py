@@ -9,6 +9,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+PROMPT_LOGITS_ROWS = 512  # prompt tokens whose logits (rows x vocab, float32) prompt_logprobs makes at once
+
 
 @dataclass
 class LogitsProcessing:
@@ -143,3 +145,21 @@ def record_logprobs(seqs: list, positions: list[int], tokens: list[int], found: 
         return
     for row, entry in zip(found.rows, found.to_host()):
         seqs[row].token_logprobs[positions[row]] = (tokens[row], *entry)
+
+
+def record_prompt_logprobs(seqs: list, hidden: torch.Tensor, compute_logits) -> None:
+    """For rows with SamplingParams.prompt_logprobs: each prompt token's log-probability given the tokens before it,
+    from a prefill chunk's hidden states [T, H] (the rows' scheduled tokens in order; token p's predicts token p + 1),
+    PROMPT_LOGITS_ROWS at a time."""
+    begin = 0
+    for seq in seqs:
+        count, start = seq.num_scheduled_tokens, seq.num_computed_tokens
+        k = seq.params.prompt_logprobs
+        ends = min(start + count, seq.num_prompt_tokens - 1)  # the last prompt token predicts no prompt token
+        for first in range(start, ends, PROMPT_LOGITS_ROWS) if k is not None else ():
+            last = min(first + PROMPT_LOGITS_ROWS, ends)
+            rows = hidden[begin + first - start: begin + last - start]
+            nexts = seq.token_ids[first + 1: last + 1]
+            found = token_logprobs(compute_logits(rows), torch.tensor(nexts, device=rows.device), [k] * len(nexts))
+            record_logprobs([seq] * len(nexts), list(range(first + 1, last + 1)), nexts, found)
+        begin += count

@@ -29,11 +29,9 @@ from offload_engine.engine.tiers.host_pool_accesses import HostPoolAccesses
 from offload_engine.engine.tiers.move_staging import MoveStaging
 from offload_engine.engine.tiers.pinned_ring import PinnedRing
 from offload_engine.layers.attention_backends import select_backend
-from offload_engine.layers.logits_processing import record_logprobs, token_logprobs
+from offload_engine.layers.logits_processing import record_logprobs, record_prompt_logprobs, token_logprobs
 from offload_engine.layers.sampler import SamplingBatch, sample
 from offload_engine.loader import build_model
-
-PROMPT_LOGITS_ROWS = 512  # prompt tokens whose logits (rows x vocab, float32) prompt_logprobs makes at once
 
 
 class ModelRunner:
@@ -377,7 +375,7 @@ class ModelRunner:
             hidden = self.prefill_graphs.run(batch.rows, step.token_ids, step.positions, step.meta,
                                              [s.num_scheduled_tokens for s in seqs], builder.to_device)
             logits = self.model.compute_logits(hidden[step.sample_rows])
-            self._prompt_logprobs(seqs, hidden)
+            record_prompt_logprobs(seqs, hidden, self.model.compute_logits)
         elif mode == GraphMode.PIECEWISE:
             logits = self.decode_graphs[lane].run(step.token_ids, step.positions, step.meta)
             if lane == "host":
@@ -386,27 +384,10 @@ class ModelRunner:
             hidden = self.model(step.token_ids, step.positions, step.meta)
             logits = self.model.compute_logits(hidden[step.sample_rows])
             if is_prefill:
-                self._prompt_logprobs(seqs, hidden)
+                record_prompt_logprobs(seqs, hidden, self.model.compute_logits)
         self.executor_writes.add(step.meta.pending_host_writes)  # host-tier prefill: not waited for
         self.host_kernel_seconds[lane] = sum(step.meta.host_kernel_seconds)  # every layer's kernel is back
         return logits
-
-    def _prompt_logprobs(self, seqs: list[Sequence], hidden: torch.Tensor) -> None:
-        """For rows with SamplingParams.prompt_logprobs: each prompt token's log-probability given the tokens before
-        it, from this chunk's hidden states (token p's predicts token p + 1), PROMPT_LOGITS_ROWS at a time."""
-        begin = 0
-        for seq in seqs:
-            count, start = seq.num_scheduled_tokens, seq.num_computed_tokens
-            k = seq.params.prompt_logprobs
-            ends = min(start + count, seq.num_prompt_tokens - 1)  # the last prompt token predicts no prompt token
-            for first in range(start, ends, PROMPT_LOGITS_ROWS) if k is not None else ():
-                last = min(first + PROMPT_LOGITS_ROWS, ends)
-                rows = hidden[begin + first - start: begin + last - start]
-                nexts = seq.token_ids[first + 1: last + 1]
-                found = token_logprobs(self.model.compute_logits(rows), torch.tensor(nexts, device=rows.device),
-                                       [k] * len(nexts))
-                record_logprobs([seq] * len(nexts), list(range(first + 1, last + 1)), nexts, found)
-            begin += count
 
     def _prefill_segment(self, seq: Sequence) -> torch.Tensor:
         """A staged sequence's long prefill, layer-major in chunks of max_num_batched_tokens -> its last logits."""
