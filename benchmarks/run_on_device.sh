@@ -3,8 +3,8 @@
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
-#   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, multi-gpu,
-#   multi-gpu-tp
+#   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
+#   multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -149,8 +149,9 @@ case "${1:-check}" in
     done
     ;;
   test-gpu-shards)  # make test-gpu in one call on a host of several GPUs: one pytest per GPU, each on its own cores,
-    # the files dealt out by size; outputs concatenated into $OUT/gpu_tests.txt
-    gpus=$(nvidia-smi -L | wc -l); cores=$(( $(nproc) / gpus ))
+    # the files dealt out by size; outputs concatenated into $OUT/gpu_tests.txt. SHARD_GPUS: use only the first
+    # N GPUs (and their cores), leaving the others to a benchmark run beside the tests
+    all=$(nvidia-smi -L | wc -l); gpus=${SHARD_GPUS:-$all}; cores=$(( $(nproc) / all ))
     files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_" | xargs wc -c | sort -rn | awk '$2!="total"{print $2}')
     i=0; for f in $files; do echo "$f" >> "$OUT/shard_$((i % gpus)).txt"; i=$((i + 1)); done
     for g in $(seq 0 $((gpus - 1))); do
@@ -159,8 +160,11 @@ case "${1:-check}" in
     done
     wait
     { echo "# make test-gpu in $gpus shards, $(date -u '+%F %H:%M') UTC, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
-      for g in $(seq 0 $((gpus - 1))); do echo "## shard $g: $(tr '\n' ' ' < "$OUT/shard_$g.txt")"; tail -n 30 "$OUT/gpu_tests_shard_$g.txt"; done
-    } > "$OUT/gpu_tests.txt"; grep -h "passed\|failed" "$OUT"/gpu_tests_shard_*.txt
+      for g in $(seq 0 $((gpus - 1))); do echo "## shard $g: $(tr '\n' ' ' < "$OUT/shard_$g.txt")"; cat "$OUT/gpu_tests_shard_$g.txt"; done
+    } > "$OUT/gpu_tests.txt"; grep -h "passed\|failed" "$OUT"/gpu_tests_shard_*.txt; rm -f "$OUT"/shard_*.txt "$OUT"/gpu_tests_shard_*.txt
+    ;;
+  weight-check)  # what the load-time NaN/infinity check of the weights costs at the 8B shape (bench_weight_check.py)
+    step weight_check 240 python3 benchmarks/bench_weight_check.py --model qwen3-8b --out "$OUT/weight_check.json"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"

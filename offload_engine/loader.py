@@ -79,7 +79,7 @@ def load_weights(model: torch.nn.Module, files: list[str]) -> None:
     missing = set(params) - set(sources)
     if missing:
         raise ValueError(f"the checkpoint lacks {len(missing)} weights the model needs, e.g. {sorted(missing)[:3]}")
-    _check_finite(params, sources)
+    check_finite(params, sources)
 
 
 def _load_file(model: torch.nn.Module, params: dict, path: str) -> list[tuple[str, tuple[str, str]]]:
@@ -107,7 +107,7 @@ def _load_file(model: torch.nn.Module, params: dict, path: str) -> list[tuple[st
 FINITE_CHUNK = 1 << 26  # elements a finiteness check reads at once: its bool temporary stays small
 
 
-def _check_finite(params: dict, sources: dict[str, list[tuple[str, str]]]) -> None:
+def check_finite(params: dict, sources: dict[str, list[tuple[str, str]]]) -> None:
     """OSError naming the checkpoint tensors and file behind the first parameter with NaN or infinity. One flag per
     parameter is queued on the model's device and read back once (a single sync)."""
     names = [n for n, p in params.items() if p.is_floating_point()]
