@@ -151,12 +151,13 @@ case "${1:-check}" in
   test-gpu-shards)  # make test-gpu in one call on a host of several GPUs: one pytest per GPU, each on its own cores,
     # the files dealt out by size; outputs concatenated into $OUT/gpu_tests.txt. SHARD_GPUS: use only the first
     # N GPUs (and their cores), leaving the others to a benchmark run beside the tests
+    make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
     all=$(nvidia-smi -L | wc -l); gpus=${SHARD_GPUS:-$all}; cores=$(( $(nproc) / all ))
     files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_" | xargs wc -c | sort -rn | awk '$2!="total"{print $2}')
     i=0; for f in $files; do echo "$f" >> "$OUT/shard_$((i % gpus)).txt"; i=$((i + 1)); done
     for g in $(seq 0 $((gpus - 1))); do
       CUDA_VISIBLE_DEVICES=$g NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda taskset -c $((g * cores))-$(((g + 1) * cores - 1)) \
-        timeout 560 python3 -m pytest -q -rs $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
+        timeout 560 .venv/bin/python -m pytest -q -rs $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
     done
     wait
     { echo "# make test-gpu in $gpus shards, $(date -u '+%F %H:%M') UTC, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
