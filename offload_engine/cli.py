@@ -14,6 +14,7 @@ from pathlib import Path
 # offload_engine.config.KV_PLACEMENTS, written out so that parsing need not import torch (tests/test_cli.py checks
 # that the two agree).
 KV_PLACEMENTS = ("gpu", "cpu", "auto")
+KV_WORDS = {"gpu": "device tier", "cpu": "host tier", "split": "split across the tiers"}  # kv_location, in words
 INTERRUPTED_STATUS = 130  # 128 + SIGINT, as shells report a command stopped by Ctrl-C
 
 
@@ -119,7 +120,7 @@ def _generate(args) -> None:
             print(json.dumps({**dataclasses.asdict(output), "text": output.text, "token_ids": output.token_ids,
                               "finish_reason": output.finish_reason}))
         else:
-            print(f"--- {output.prompt!r} [{output.finish_reason}, KV on {output.kv_location}]\n{output.text}")
+            print(f"--- {output.prompt!r} [{output.finish_reason}, KV: {KV_WORDS[output.kv_location]}]\n{output.text}")
 
 
 if __name__ == "__main__":
