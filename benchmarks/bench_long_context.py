@@ -21,7 +21,10 @@ on the same prompts. The result merges, by workload, into <out-dir>/long_context
 - host_step_parts: the host steps' seconds over the timed call, split into the CPU kernels' work, their waits for
   the device's side of each layer, and the rest (LaneStats.host_step_parts).
 - streamed_share: stream_bytes / (stream_bytes + host_kernel_bytes) over the timed call.
-- output_tok_per_s: generated tokens over the whole generate call, prefill included, as the peer is timed.
+- output_tok_per_s: generated tokens over the whole generate call, prefill included, as the peer is timed;
+  vs_hf_offloaded_decode sets decode_tok_per_s against the peer's tokens after its first (its prefill set apart).
+- combined_over_kernel_alone: the ceilings' both-at-once over the kernel alone, at the workload's shape: what
+  stream_on_over_off could reach if streaming off ran at the kernel's ceiling and streaming on at the combined one.
 - hf_offloaded_*: each attempt a subprocess with a time limit (a full batch was OOM-killed for host memory), the
   largest batch first; every failure is recorded with its reason. --deadline-s bounds the process so that a
   workload fits one 10-minute device call: the peer gets what is left, and the host-only run is skipped (recorded)
@@ -76,9 +79,12 @@ _FULL = PROFILES["full"]
 # c's new tokens: the suite's 16 left 15 decode steps, of which the first few settle the streamed share; 64 measure
 # the steady state (the context stays 262,144 tokens).
 C_OUTPUT = 64
+# The ceilings at c's own shape (0.6B: 16 query heads over 8 KV heads; one row of the host's 229,376 tokens): fewer
+# query heads make the kernel lighter per byte, so the 8B shape's ceiling would understate c's kernel alone.
+C_CEILINGS = dict(batch=1, tokens=_FULL.c_context - _FULL.c_budget_tokens, q_heads=16)
 WORKLOADS = {
     "c": LongContext("c", _FULL.c_model, 1, _FULL.c_context - C_OUTPUT, C_OUTPUT, _FULL.c_budget_tokens // 16,
-                     peer_batches=(1,)),
+                     peer_batches=(1,), ceilings=C_CEILINGS),
     "batch8b": LongContext("batch8b", "qwen3-8b", 8, 32768, 256, QWEN3_8B_ON_24_GIB, peer_batches=(8, 4, 2, 1)),
     # Both rows longer than the device pool (128 tokens): split, on the host lane, as c's row is.
     "tiny": LongContext("tiny", "tiny", 2, 240, 8, 8, peer_batches=(2, 1), peer_seconds=10.0, vocab=400,
@@ -268,9 +274,10 @@ def hf_offloaded(spec: LongContext, path: str, deadline: Deadline) -> dict:
             continue
         log(f"[{spec.name}] transformers offloaded, batch {batch}: {result['output_tok_per_s']:.2f} output tok/s")
         return {"hf_offloaded_tok_per_s": result["output_tok_per_s"], "hf_offloaded_batch": batch,
-                "hf_offloaded_failures": failures, "hf_offloaded": result}
-    return {"hf_offloaded_tok_per_s": None, "hf_offloaded_batch": None, "hf_offloaded_failures": failures,
-            "hf_offloaded": None}
+                "hf_offloaded_decode_tok_per_s": result.get("decode_tok_per_s"), "hf_offloaded_failures": failures,
+                "hf_offloaded": result}
+    return {"hf_offloaded_tok_per_s": None, "hf_offloaded_batch": None, "hf_offloaded_decode_tok_per_s": None,
+            "hf_offloaded_failures": failures, "hf_offloaded": None}
 
 
 def merge_entry(path: str, entry: dict, header: dict) -> dict:
@@ -377,6 +384,7 @@ def run_workload(spec: LongContext, ceilings: dict, out_path: str, deadline: Dea
     entry.update({key: on.get(key) for key in HEADLINE})
     entry["decode_tok_per_s_cpu_path_only"] = off["decode_tok_per_s"]
     entry["stream_on_over_off"] = ratio(on["decode_tok_per_s"], off["decode_tok_per_s"])
+    entry["combined_over_kernel_alone"] = ceilings.get("combined_over_kernel_alone")  # what on / off could reach
     entry["cpu_placement_tok_per_s"] = None
     needed = 1.2 * off["wall_seconds"]
     if skip_cpu:
@@ -391,10 +399,12 @@ def run_workload(spec: LongContext, ceilings: dict, out_path: str, deadline: Dea
     save()
     if skip_peer:
         entry["skipped"]["hf_offloaded"] = "--skip-peer"
-        entry.update(hf_offloaded_tok_per_s=None, hf_offloaded_batch=None, hf_offloaded_failures=[], hf_offloaded=None)
+        entry.update(hf_offloaded_tok_per_s=None, hf_offloaded_batch=None, hf_offloaded_decode_tok_per_s=None,
+                     hf_offloaded_failures=[], hf_offloaded=None)
     else:
         entry.update(hf_offloaded(spec, path, deadline))
     entry["vs_hf_offloaded"] = ratio(entry["output_tok_per_s"], entry["hf_offloaded_tok_per_s"])
+    entry["vs_hf_offloaded_decode"] = ratio(entry["decode_tok_per_s"], entry["hf_offloaded_decode_tok_per_s"])
     for reason in entry["skipped"].items():
         log(f"[{spec.name}] skipped {reason[0]}: {reason[1]}")
     save()

@@ -15,7 +15,8 @@ from offload_engine.config import EngineConfig
 ENTRY_KEYS = {"workload", "model", "num_seqs", "prompt_len", "output_len", "ceilings", "decode_tok_per_s",
               "bound_tok_per_s", "fraction_of_bound", "streamed_share", "decode_tok_per_s_cpu_path_only",
               "stream_on_over_off", "cpu_placement_tok_per_s", "hf_offloaded_tok_per_s", "hf_offloaded_batch",
-              "hf_offloaded_failures", "prefill_tok_per_s", "output_tok_per_s", "vs_hf_offloaded", "runs", "skipped"}
+              "hf_offloaded_failures", "prefill_tok_per_s", "output_tok_per_s", "vs_hf_offloaded", "runs", "skipped",
+              "hf_offloaded_decode_tok_per_s", "vs_hf_offloaded_decode", "combined_over_kernel_alone"}
 CEILING_KEYS = {"host_kernel_gbps", "stream_gbps", "pinned_copy_gbps", "together", "combined_over_kernel_alone",
                 "hbm_gbps"}
 
@@ -168,3 +169,21 @@ def test_together_times_both_paths_in_one_window_and_sums_their_rates():
     assert found["sum_gbps"] == found["kernel_gbps"] + found["stream_gbps"]
     assert 0.2 < found["kernel_gbps"] <= 1.0 and 0.4 < found["stream_gbps"] <= 2.0  # 1e7 bytes a 10 / 5 ms call
     assert any(overlapped)  # some call of one path began while the other's was running
+
+
+def test_the_peer_sets_its_prefill_apart_from_its_decode():
+    from benchmarks.peers import FirstToken, hf_generate
+    from offload_engine.tiny_model import default_model_dir
+
+    first = FirstToken()
+    first.put("the prompt")
+    assert first.seconds() is None  # the prompt's put is not a token
+    first.put("token 0")
+    assert first.seconds() >= 0
+    prompts = bench.random_prompts([24] * 3, 400, seed=1)
+    found = hf_generate(default_model_dir(), prompts, 6, None, 2, 60.0)
+    assert "error" not in found, found
+    assert found["output_tokens"] == 18 and found["batches_run"] == 2
+    assert 0 < found["prefill_seconds"] < found["seconds"]
+    # Tokens after each batch's first, over the time after it.
+    assert found["decode_tok_per_s"] == pytest.approx((18 - 3) / (found["seconds"] - found["prefill_seconds"]))
