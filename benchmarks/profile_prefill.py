@@ -1,7 +1,6 @@
 """Where a long prompt's prefill spends its time, against the bounds of its parts, measured in the same process.
 
     python -m benchmarks.profile_prefill --workload c|batch8b [--placement auto|cpu|gpu] [--out FILE]   (CUDA only)
-    ... [--baseline] (the prefill kernel's earlier tiles) [--segments-on-backend] (segment chunks not on SDPA)
 
 One prompt of the workload (bench_long_context's specs) is prefilled twice: a warm-up that also times the call
 (`prefill_seconds`), then once under torch.profiler on a prompt that shares no prefix with it. The profiler's device
@@ -154,18 +153,11 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--placement", default="auto", choices=("auto", "cpu", "gpu"))
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--baseline", action="store_true", help="the prefill kernel's earlier tiles (use_baseline_tiles)")
-    parser.add_argument("--segments-on-backend", action="store_true",
-                        help="segment chunks on the backend's paged kernel, not torch's SDPA (layers/sdpa_prefill.py)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
     if args.baseline:
         use_baseline_tiles()
-    if args.segments_on_backend:
-        from offload_engine.layers import attention
-
-        attention.SEGMENTS_THROUGH_SDPA = False
-    result = {**profile(args.workload, args.placement, args.model_cache), "baseline_tiles": args.baseline,
-              "segments_through_sdpa": not args.segments_on_backend}
+    result = {**profile(args.workload, args.placement, args.model_cache), "baseline_tiles": args.baseline}
     text = json.dumps(result, indent=1)
     print(text)
     if args.out:

@@ -8,11 +8,6 @@ from torch import nn
 
 from offload_engine.layers.attention_metadata import AttentionMetadata, PrefixStaging, StreamedKV
 from offload_engine.layers.host_block_writes import write_host_blocks
-from offload_engine.layers.sdpa_prefill import contiguous_prefill_attention
-
-# Segment chunks attend their staging cache through torch's SDPA (layers/sdpa_prefill.py), faster there than the
-# backend's paged kernel; False puts them back on the backend (benchmarks' A/B runs).
-SEGMENTS_THROUGH_SDPA = True
 
 
 class Attention(nn.Module):
@@ -194,8 +189,6 @@ class Attention(nn.Module):
         self._write_host_tier(k, v, chunk.block_writes, chunk.host_token_indices, chunk.host_token_slots,
                               pending_writes)
         self.backend.store_kvcache(k, v, *staged, chunk.staging_slots)
-        if SEGMENTS_THROUGH_SDPA:
-            return contiguous_prefill_attention(q, *staged, chunk.num_keys, self.scale)
         # The staging cache's table is the identity: Triton's kernel then reads no table.
         contiguous = {"contiguous": True} if self.backend.name == "triton" else {}
         out, _ = self.backend.paged_prefill_attention(q, *staged, chunk.block_table, chunk.cu_seqlens_q,

@@ -29,7 +29,6 @@ class SegmentChunk:
     block_table: torch.Tensor  # device int32 [1, staging blocks]: the identity, staging block i is block i
     cu_seqlens_q: torch.Tensor  # device int32 [2]
     context_lens: torch.Tensor  # device int32 [1]: the sequence's tokens up to this chunk's last
-    num_keys: int  # the same, on the host
 
     @property
     def num_tokens(self) -> int:
@@ -71,8 +70,7 @@ def segment_inputs(builder, seq: Sequence, chunk_tokens: int) -> SegmentInputs:
             staging_slots=builder.to_device(np.arange(start + begin, start + stop), torch.int64),
             block_table=table,
             cu_seqlens_q=builder.to_device([0, stop - begin], torch.int32),
-            context_lens=builder.to_device([start + stop], torch.int32),
-            num_keys=start + stop))
+            context_lens=builder.to_device([start + stop], torch.int32)))
     return SegmentInputs(
         token_ids=builder.to_device(seq.token_ids[start:end], torch.int64),
         positions=builder.to_device(np.arange(start, end), torch.int64),
