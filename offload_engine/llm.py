@@ -10,6 +10,8 @@ import torch
 from tqdm.auto import tqdm
 
 from offload_engine.config import DTYPES, EngineConfig, ModelConfig, read_json_object
+from offload_engine.distributed.launch import launched_rank
+from offload_engine.distributed.worker import launched_worker_main
 from offload_engine.engine.llm_engine import LLMEngine
 from offload_engine.engine.sequence import Sequence
 from offload_engine.completions import matched_stop_string, request_output
@@ -59,12 +61,15 @@ class LLM:
             prefill_device=prefill_device, prefill_graph_tokens=prefill_graph_tokens, stream_host_kv=stream_host_kv,
             stream_staging_gb=stream_staging_gb)
         self.config.validate()
+        launch = launched_rank(tensor_parallel_size)  # a launcher's world of another size fails here, on every rank
         if not os.path.isdir(model):
             raise OSError(f"model directory {model!r} does not exist: pass a Hugging Face model directory "
                           "(config.json + *.safetensors)")
         self.model_dir = model
         self.model_config = ModelConfig.from_model_dir(model)
         self.model_config.check_tensor_parallel(tensor_parallel_size)
+        if launch is not None and launch.rank > 0:  # started by torchrun beside rank 0: serve its engine
+            launched_worker_main(launch)  # ends this process once rank 0 closes the engine; never returns
         self.max_model_len = self._max_model_len()
         self.dtype = self.model_config.dtype if dtype == "auto" else DTYPES[dtype]
         self.tokenizer = load_tokenizer(model)

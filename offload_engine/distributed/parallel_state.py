@@ -3,6 +3,7 @@ engine lane, so that one lane's collectives pair up across ranks, never with the
 engine per process. Why: docs/decisions/multi-gpu.md, "One process group per lane, and the `after` count"."""
 import dataclasses
 import datetime
+import os
 import threading
 from contextlib import contextmanager
 
@@ -10,6 +11,7 @@ import torch
 import torch.distributed as dist
 
 LANES = ("device", "host")
+STORE_PREFIX = "offload-engine/pg"  # launched ranks' process group keys, apart from the launcher's own
 # Bounds a hang (a rank stuck in a bug); a rank that dies is noticed at once (workers.py's watcher).
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 
@@ -37,6 +39,12 @@ class Partition:
                                    intermediate_size=self.share(model_cfg.intermediate_size))
 
 
+def ranks_on_this_host(size: int) -> int:
+    """The engine's ranks that share this host's cores: all `size` when rank 0 spawned them, the launcher's
+    LOCAL_WORLD_SIZE when it started them on several hosts."""
+    return int(os.environ.get("LOCAL_WORLD_SIZE", size))
+
+
 class _Groups:
     def __init__(self, backend: str, device: torch.device):
         self.backend, self.device = backend, device
@@ -52,15 +60,17 @@ _groups: _Groups | None = None
 _thread = threading.local()  # .lane: the lane whose call this thread is running
 
 
-def init(rank: int, size: int, device: torch.device, store_path: str) -> None:
-    """Joins the engine's ranks: NCCL on GPUs, gloo on the CPU; they meet at the file store_path."""
+def init(rank: int, size: int, device: torch.device, store: "str | dist.Store") -> None:
+    """Joins the engine's ranks: NCCL on GPUs, gloo on the CPU; they meet at `store` (a file's path for spawned
+    ranks, the launcher's store under STORE_PREFIX for launched ones)."""
     global _groups
     if dist.is_initialized():
         raise ValueError("torch.distributed is already initialized in this process (another tensor-parallel engine, "
                          "or a process group of your own): close that LLM, or destroy the group, first")
     backend = "nccl" if device.type == "cuda" else "gloo"
     kwargs = {"device_id": device} if device.type == "cuda" else {}
-    dist.init_process_group(backend, store=dist.FileStore(store_path, size), rank=rank, world_size=size,
+    store = dist.FileStore(store, size) if isinstance(store, str) else store
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT, **kwargs)
     _groups = _Groups(backend, device)
 

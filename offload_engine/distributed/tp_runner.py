@@ -4,6 +4,7 @@ channel, then runs on rank 0's ModelRunner; rank 0's result is everyone's. After
 import torch.distributed as dist
 
 from offload_engine.distributed import parallel_state
+from offload_engine.distributed.launch import launched_rank
 from offload_engine.distributed.parallel_state import Partition
 from offload_engine.distributed.wire import Call, pack_moves, pack_seqs
 from offload_engine.distributed.workers import STOP_TIMEOUT, WorkerError, WorkerGroup
@@ -26,9 +27,9 @@ class TensorParallelRunner:
         self.finished = {lane: 0 for lane in parallel_state.LANES}  # calls rank 0 has finished, per lane
         try:
             self.workers = WorkerGroup(size, dict(model_dir=model_dir, cfg=cfg, dtype=dtype,
-                                                  max_model_len=max_model_len))
+                                                  max_model_len=max_model_len), launched_rank(size))
             self.workers.wait_joining()
-            parallel_state.init(0, size, cfg.torch_device, self.workers.spec.store_path)
+            parallel_state.init(0, size, cfg.torch_device, self.workers.rendezvous)
             with parallel_state.lane("device"):  # its start-up collectives pair with the workers' (worker.py)
                 self.runner = ModelRunner(model_dir, model_cfg, cfg, dtype, max_model_len, tp=Partition(0, size))
         except BaseException as error:

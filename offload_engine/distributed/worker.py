@@ -1,7 +1,8 @@
 """A worker process: rank r (1..N-1), a ModelRunner mirroring rank 0's calls, one thread per lane so that a long host
 step never holds up the device lane; a call starts once the other lane has finished `after` calls. A failed call is
 reported to rank 0 and the process exits at once, which frees the other ranks' collectives; a worker whose parent
-has died exits too (docs/decisions/multi-gpu.md)."""
+(or, launched, whose rank 0) has gone exits too (docs/decisions/multi-gpu.md). Spawned by rank 0 (worker_main) or
+started by a launcher beside it (launched_worker_main)."""
 import dataclasses
 import json
 import os
@@ -13,6 +14,7 @@ from multiprocessing import parent_process
 from multiprocessing.connection import Connection, wait
 
 import torch
+import torch.distributed as dist
 
 from offload_engine.config import DTYPES, EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
@@ -30,7 +32,7 @@ class WorkerSpec:
     cfg: EngineConfig  # device = rank 0's
     dtype: torch.dtype
     max_model_len: int
-    store_path: str
+    store_path: str | None = None  # the file rendezvous of spawned ranks; launched ranks meet at the launcher's
 
     def device(self, rank: int) -> torch.device:
         """Rank r runs on cuda:<first + r> from device cuda:<first>, or on the CPU with every other rank."""
@@ -46,7 +48,7 @@ class WorkerSpec:
     def from_json(cls, text: str) -> "WorkerSpec":
         fields = json.loads(text)
         return cls(fields["model_dir"], EngineConfig(**fields["cfg"]), DTYPES[fields["dtype"]],
-                   fields["max_model_len"], fields["store_path"])
+                   fields["max_model_len"], fields.get("store_path"))
 
 
 class _Reporter:
@@ -138,19 +140,39 @@ class _Mirror:
 
 
 def worker_main(rank: int, size: int, spec_json: str, lanes: dict[str, Connection], report: Connection) -> None:
-    reporter = _Reporter(report, rank)
+    """A spawned worker (rank 0's child): its pipes are handed to it; it exits once its parent has gone."""
     spec = WorkerSpec.from_json(spec_json)
     threading.Thread(target=_exit_with_parent, name="parent-watch", daemon=True).start()
+    _serve(rank, size, spec, spec.device(rank), lanes, _Reporter(report, rank), spec.store_path)
+
+
+def launched_worker_main(launch) -> None:
+    """A launched worker (launch.Launch, rank >= 1): connects to rank 0, takes its spec, serves; never returns. Its
+    GPU is cuda:LOCAL_RANK (the CPU where rank 0's device is the CPU)."""
+    from offload_engine.distributed.launch import connect, rendezvous_store
+    from offload_engine.distributed.workers import START_TIMEOUT
+
+    store = rendezvous_store(launch, START_TIMEOUT)
+    conns = connect(launch, store, START_TIMEOUT)
+    spec = WorkerSpec.from_json(conns["device"].recv_bytes().decode())  # rank 0's first message on the lane
+    device = spec.cfg.torch_device
+    device = device if device.type == "cpu" else torch.device("cuda", launch.local_rank)
+    _serve(launch.rank, launch.size, spec, device, {lane: conns[lane] for lane in parallel_state.LANES},
+           _Reporter(conns["report"], launch.rank), dist.PrefixStore(parallel_state.STORE_PREFIX, store))
+
+
+def _serve(rank: int, size: int, spec: WorkerSpec, device: torch.device, lanes: dict[str, Connection],
+           reporter: "_Reporter", store) -> None:
+    """Joins the ranks, builds this rank's runner, serves both lanes until rank 0 stops them, and ends the process."""
     try:
         from offload_engine.engine.runner.model_runner import ModelRunner
 
-        device = spec.device(rank)
         if device.type == "cuda":
             torch.cuda.set_device(device)  # this process's only GPU: NCCL and the allocator default to it
         else:
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // size))  # the ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel_state.ranks_on_this_host(size)))
         reporter.send("joining")
-        parallel_state.init(rank, size, device, spec.store_path)
+        parallel_state.init(rank, size, device, store)
         with parallel_state.lane("device"):
             model_cfg = ModelConfig.from_model_dir(spec.model_dir)
             runner = ModelRunner(spec.model_dir, model_cfg, dataclasses.replace(spec.cfg, device=str(device)),

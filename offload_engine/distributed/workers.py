@@ -1,6 +1,7 @@
 """Rank 0's handle on the worker processes (docs/decisions/multi-gpu.md): per worker a pipe per lane (its calls in
 order, the answers to those that ask) and a report pipe a watcher thread reads. Every wait has a timeout. Workers are
-spawned: a script that makes a TP LLM must guard its top level with `if __name__ == "__main__":`."""
+spawned (a script that makes a TP LLM must guard its top level with `if __name__ == "__main__":`), or started by a
+launcher beside rank 0 (launch.py), when their pipes are connections over TCP."""
 import json
 import multiprocessing
 import os
@@ -11,6 +12,8 @@ import threading
 import time
 import weakref
 from multiprocessing.connection import wait
+
+import torch.distributed as dist
 
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.wire import Call, encode_call
@@ -60,11 +63,13 @@ class _Health:
 
 
 class WorkerGroup:
-    def __init__(self, size: int, spec_args: dict):
+    def __init__(self, size: int, spec_args: dict, launch=None):
+        """launch: this process's launch.Launch where a launcher started the ranks; None spawns them."""
         os.environ.update(MULTICAST_OFF)
         self.size = size
         self.store_dir = tempfile.mkdtemp(prefix="offload-engine-tp-")
         self.spec = WorkerSpec(**spec_args, store_path=os.path.join(self.store_dir, "rendezvous"))
+        self.rendezvous = self.spec.store_path  # where rank 0 meets the workers' process group (parallel_state.init)
         self.health = _Health()
         context = multiprocessing.get_context("spawn")
         self.lanes = {lane: [] for lane in parallel_state.LANES}
@@ -72,6 +77,17 @@ class WorkerGroup:
         self._wake_read, self._wake = context.Pipe(duplex=False)  # ends the watcher
         # Dropped unclosed (or half made), or at interpreter exit: the workers and the watcher still go.
         self._finalizer = weakref.finalize(self, _release, self.processes, self.store_dir, self._wake, 0.0)
+        if launch is None:
+            self._spawn(context)
+        else:
+            self._attach(launch)
+        self._watcher = threading.Thread(target=_watch, name="tp-watcher", daemon=True,
+                                         args=(self.health, dict(enumerate(self.reports, 1)),
+                                               dict(enumerate(self.processes, 1)), self._wake_read))
+        self._watcher.start()
+
+    def _spawn(self, context) -> None:
+        size = self.size
         for rank in range(1, size):
             ends = {lane: context.Pipe() for lane in parallel_state.LANES}
             report_read, report_write = context.Pipe(duplex=False)
@@ -85,10 +101,26 @@ class WorkerGroup:
             report_write.close()
             self.reports.append(report_read)
             self.processes.append(process)
-        self._watcher = threading.Thread(target=_watch, name="tp-watcher", daemon=True,
-                                         args=(self.health, dict(enumerate(self.reports, 1)),
-                                               dict(enumerate(self.processes, 1)), self._wake_read))
-        self._watcher.start()
+
+    def _attach(self, launch) -> None:
+        """The launched workers connect (launch.py); each gets the spec first on its device lane."""
+        from offload_engine.distributed.launch import ControlServer, rendezvous_store
+
+        store = rendezvous_store(launch, START_TIMEOUT)
+        self.rendezvous = dist.PrefixStore(parallel_state.STORE_PREFIX, store)
+        server = ControlServer(launch, store)
+        try:
+            found = server.accept(START_TIMEOUT)
+        except TimeoutError as error:
+            raise WorkerError(str(error)) from None
+        finally:
+            server.close()
+        spec = self.spec.to_json().encode()
+        for rank in range(1, self.size):
+            found[rank]["device"].send_bytes(spec)
+            for lane in parallel_state.LANES:
+                self.lanes[lane].append(found[rank][lane])
+            self.reports.append(found[rank]["report"])
 
     def wait_joining(self) -> None:
         """Waits until every worker is about to meet at the rendezvous (they import torch first)."""
@@ -158,7 +190,12 @@ def _watch(health: _Health, reports: dict, processes: dict, wake) -> None:
                 try:
                     health.note(*json.loads(ready.recv_bytes()))
                 except (EOFError, OSError):
-                    del readers[ready]  # its process has gone: its sentinel says how
+                    rank = readers.pop(ready)  # its process has gone: its sentinel says how, if it has one
+                    if rank not in processes:  # launched: the closed connection is all rank 0 hears
+                        if rank not in health.stopped:
+                            health.note("error", rank, "(its connection to rank 0 closed: its process ended)",
+                                        time.time())
+                        health.note("ended", rank, "", time.time())
             elif ready in sentinels:
                 rank = sentinels.pop(ready)
                 # Its last report may still be unread: take it first, so the error names the real cause.

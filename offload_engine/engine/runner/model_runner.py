@@ -12,7 +12,7 @@ from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from kernels.host_block_copies import compile_host_block_copies
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
-from offload_engine.distributed.parallel_state import Partition
+from offload_engine.distributed.parallel_state import Partition, ranks_on_this_host
 from offload_engine.engine.graphs.graph_dispatch import GraphDispatcher, GraphMode
 from offload_engine.engine.graphs.prefill_graphs import capture_prefill_graphs
 from offload_engine.engine.runner.cuda_streams import engine_stream
@@ -142,7 +142,8 @@ class ModelRunner:
                                                self.cfg.cpu_kv_cache_gb, self.wanted_blocks(size)))
         cfg = self.model_cfg
         # numba compiles this dtype's kernels on the executor's thread now, joined once the weights are in.
-        executor = CpuAttentionExecutor(num_threads=host_threads(self.tp.size), dtypes=(self.dtype,))
+        executor = CpuAttentionExecutor(num_threads=host_threads(ranks_on_this_host(self.tp.size)),
+                                        dtypes=(self.dtype,))
         pool = HostKVPool(cfg.num_layers, blocks, cfg.num_kv_heads, size, cfg.head_dim, self.dtype,
                           pin_device=self.device if self.device.type == "cuda" else None)
         return blocks, pool, executor
