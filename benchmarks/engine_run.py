@@ -46,7 +46,8 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *,
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=os.environ.get("BENCH_TQDM", "1") == "1")
     seconds = time.perf_counter() - start
-    decode_ms = sorted(1e3 * s.seconds for s in steps if not s.is_prefill) or [0.0]
+    in_order = [1e3 * s.seconds for s in steps if not s.is_prefill]
+    decode_ms = sorted(in_order) or [0.0]
     generated = sum(len(o.token_ids) for o in outputs)
     runner = llm.engine.runner
     result = {
@@ -55,6 +56,9 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *,
         "total_tok_per_s": (generated + sum(map(len, prompts))) / seconds,
         "prefill_seconds": sum(s.seconds for s in steps if s.is_prefill),
         "decode_steps": len(decode_ms), "decode_step_ms_median": decode_ms[len(decode_ms) // 2],
+        # where a decode's time goes beyond its median step: the steps' sum, and the first and last ones in order
+        "decode_steps_seconds": sum(in_order) / 1e3, "decode_step_ms_first": in_order[:8],
+        "decode_step_ms_last": in_order[-8:],
         "kv_location": {t: sum(o.kv_location == t for o in outputs) for t in ("gpu", "cpu", "split")},
         "kv_device_tokens": sum(o.kv_device_tokens for o in outputs),  # of split requests
         # the measured call's own moves and tokens, without the warm-up's
