@@ -1,5 +1,18 @@
 from setuptools import find_packages, setup
 
+
+def flash_attn_4() -> str:
+    """flash-attn 4 with the CUTLASS DSL libraries for the CUDA that torch was built with, where torch is importable
+    while this runs (an install without build isolation, as the Makefile's); else its default, CUDA 12's."""
+    try:
+        import torch
+
+        major = int((torch.version.cuda or "12").split(".")[0])
+    except ImportError:
+        major = 12
+    return "flash-attn-4[cu13]" if major >= 13 else "flash-attn-4"
+
+
 setup(
     name="offload-engine",
     version="0.1.0",
@@ -19,6 +32,7 @@ setup(
         "tqdm",
         "matplotlib",
     ],
-    extras_require={"test": ["pytest"], "flash-attn": ["flash-attn"]},
+    extras_require={"test": ["pytest"], "flash-attn": [flash_attn_4()], "flash-attn-cu12": ["flash-attn-4"],
+                    "flash-attn-cu13": ["flash-attn-4[cu13]"]},
     entry_points={"console_scripts": ["offload-engine=offload_engine.cli:main"]},
 )

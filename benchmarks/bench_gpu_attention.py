@@ -1,4 +1,6 @@
-"""Benchmark the Triton paged attention kernels in the hardware's terms, against ceilings measured in this run.
+"""Benchmark the paged attention kernels in the hardware's terms, against ceilings measured in this run: our
+Triton kernels and, where it is installed, flash-attn 4 through our backend (layers/flash_attn_backend.py), each on
+the same paged caches, beside torch SDPA on contiguous ones.
 
 Decode (memory-bound): KV bytes read / time = achieved HBM GB/s, next to a device-to-device copy ceiling
 (bytes read + written / time) and torch SDPA over contiguous KV doing the same work.
@@ -117,12 +119,23 @@ def paged_kv(num_tokens_per_seq, batch, block_size, device):
     return k_cache, v_cache, tables
 
 
-def ours_decode_ms(batch, context, block_size, device):
+def flash_attn_4():
+    """flash-attn 4 behind our contract, or None where it does not run here."""
+    from offload_engine.layers.attention_backends import flash_attn_version
+
+    if flash_attn_version(torch.device("cuda")) != 4:
+        return None
+    from offload_engine.layers.flash_attn_backend import FlashAttn4
+
+    return FlashAttn4
+
+
+def ours_decode_ms(batch, context, block_size, device, decode=paged_decode_attention):
     k_cache, v_cache, tables = paged_kv(context, batch, block_size, device)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     ctx = torch.full((batch,), context, dtype=torch.int32, device=device)
     scale = HEAD_DIM ** -0.5
-    return bench_ms(lambda: paged_decode_attention(q, k_cache, v_cache, tables, ctx, scale))
+    return bench_ms(lambda: decode(q, k_cache, v_cache, tables, ctx, scale))
 
 
 def run_decode(cases, block_sizes, copy_gbps, max_kv_gb, device):
@@ -151,6 +164,14 @@ def run_decode(cases, block_sizes, copy_gbps, max_kv_gb, device):
                 entry["error"] = repr(exc)[:300]
                 traceback.print_exc()
             torch.cuda.empty_cache()
+            fa4 = flash_attn_4()
+            if fa4 is not None:
+                try:
+                    ms = ours_decode_ms(batch, context, block_size, device, fa4.paged_decode_attention)
+                    entry.update(fa4_ms=ms, fa4_gbps=kv_bytes / (ms * 1e-3) / 1e9)
+                except Exception as exc:
+                    entry["fa4_error"] = repr(exc)[:300]
+                torch.cuda.empty_cache()
             rows.append(entry)
             print_decode_row(entry)
     return rows
@@ -165,7 +186,7 @@ def print_decode_row(r):
             f"ours/SDPA {r['ours_over_sdpa']:5.2f}x") if "sdpa_ms" in r else f"SDPA failed: {r.get('sdpa_error')}"
     print(f"decode B={r['batch']:4d} L={r['context']:7d} bs={r['block_size']:3d} KV {r['kv_gb']:6.2f} GB  "
           f"ours {r['ours_ms'] * 1e3:8.1f} us {r['ours_gbps']:6.0f} GB/s = {r['ours_over_copy']:4.2f} of copy  "
-          f"{sdpa}", flush=True)
+          f"{sdpa}  flash-attn 4 {r.get('fa4_gbps', float('nan')):6.0f} GB/s", flush=True)
 
 
 def run_prefill(cases, block_size, device):
@@ -192,8 +213,17 @@ def run_prefill(cases, block_size, device):
             row["error"] = repr(exc)[:300]
             traceback.print_exc()
         torch.cuda.empty_cache()
+        fa4 = flash_attn_4()
+        if fa4 is not None:
+            try:
+                ms = ours_prefill_ms(batch, length, block_size, device, fa4.paged_prefill_attention)
+                row.update(fa4_ms=ms, fa4_tflops=flops / (ms * 1e-3) / 1e12)
+            except Exception as exc:
+                row["fa4_error"] = repr(exc)[:300]
+            torch.cuda.empty_cache()
         rows.append(row)
-        print(f"prefill B={batch} L={length} bs={block_size}: ours {row.get('ours_tflops', float('nan')):6.1f} "
+        print(f"prefill B={batch} L={length} bs={block_size}: flash-attn 4 {row.get('fa4_tflops', float('nan')):6.1f}"
+              f" TFLOP/s  ours {row.get('ours_tflops', float('nan')):6.1f} "
               f"TFLOP/s  SDPA {row.get('sdpa_tflops', float('nan')):6.1f} TFLOP/s ({row.get('sdpa_backend', '?')})  "
               f"ours/SDPA {row.get('ours_over_sdpa', float('nan')):5.2f}x {row.get('error', '')}", flush=True)
     return rows
@@ -210,13 +240,13 @@ def sdpa_prefill_ms(q, k, v, row):
     return ms
 
 
-def ours_prefill_ms(batch, length, block_size, device):
+def ours_prefill_ms(batch, length, block_size, device, prefill=paged_prefill_attention):
     k_cache, v_cache, tables = paged_kv(length, batch, block_size, device)
     q = torch.randn(batch * length, NUM_Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
     cu = torch.arange(0, batch + 1, dtype=torch.int32, device=device) * length
     ctx = torch.full((batch,), length, dtype=torch.int32, device=device)
     scale = HEAD_DIM ** -0.5
-    return bench_ms(lambda: paged_prefill_attention(q, k_cache, v_cache, tables, cu, ctx, scale, length))
+    return bench_ms(lambda: prefill(q, k_cache, v_cache, tables, cu, ctx, scale, length))
 
 
 def print_summary(copy_gbps, rows):

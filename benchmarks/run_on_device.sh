@@ -4,11 +4,13 @@
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
-#   multi-gpu, multi-gpu-tp
+#   flash-attn-install, flash-attn, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
+# flash-attn 4, where an earlier call of this machine installed it (stage flash-attn-install)
+[ -d /tmp/site/flash_attn ] && export PYTHONPATH="/tmp/site:/tmp/site/nvidia_cutlass_dsl/dsl_packages:$PYTHONPATH"
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
 step() {  # step NAME SECONDS CMD...: runs one step under a time limit, logging to $OUT/NAME.log
@@ -166,6 +168,19 @@ case "${1:-check}" in
     ;;
   weight-check)  # what the load-time NaN/infinity check of the weights costs at the 8B shape (bench_weight_check.py)
     step weight_check 240 python3 benchmarks/bench_weight_check.py --model qwen3-8b --out "$OUT/weight_check.json"
+    ;;
+  flash-attn-install)  # flash-attn 4 (../shared/tools/flash_attn4_wheels.sh fills .fa4a and .fa4b here): a first
+    # call carrying .fa4a copies its archive to /tmp/fa4; this stage, carrying .fa4b, installs into /tmp/site
+    [ -f /tmp/fa4/cu13.tar.xz ] || { mkdir -p /tmp/fa4 && cp .fa4a/cu13.tar.xz /tmp/fa4/ && echo "copied" && exit 0; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .fa4b/*.whl &&
+      (cd /tmp/site && xz -dc /tmp/fa4/cu13.tar.xz | tar -x) && echo "installed" || exit 1
+    ;;
+  flash-attn)  # issue 62, once installed: the backend's tests, the engine's on the GPU (auto prefills on flash-attn
+    # 4), and the kernels side by side (bench_gpu_attention.py)
+    python3 -c "import flash_attn.cute.interface" || exit 1
+    step fa4_tests 300 env OFFLOAD_ENGINE_TEST_DEVICE=cuda python3 -m pytest -q -rs tests/layers \
+      tests/engine/test_placements.py tests/engine/test_split_sequences.py tests/engine/runner/test_prefill_segments.py
+    step gpu_attention 280 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"

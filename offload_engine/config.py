@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 KV_PLACEMENTS = ("gpu", "cpu", "auto")
-ATTENTION_BACKENDS = ("auto", "flash-attn", "triton", "torch")
+ATTENTION_BACKENDS = ("auto", "flash-attn", "flash_attn", "triton", "torch")
 # Host blocks of 64 tokens: at D=128 bf16 one (block, head) run is 16 KiB, long enough for a host thread to
 # stream at full speed, short enough to keep prefix-cache granularity useful (see bench_cpu_attention.py).
 DEFAULT_CPU_BLOCK_SIZE = 64

@@ -71,8 +71,8 @@ class Attention(nn.Module):
         """q's attention over the staged share: (out, lse), rows with none streamed empty. The staging is head-major;
         the device kernel reads it through a token-major view."""
         k_view, v_view = staging[0].transpose(1, 2), staging[1].transpose(1, 2)
-        return self.backend.paged_decode_attention(q, k_view, v_view, streamed.block_tables, streamed.context_lens,
-                                                   self.scale)
+        return self.backend.strided_decode_attention(q, k_view, v_view, streamed.block_tables,
+                                                     streamed.context_lens, self.scale)
 
     def _submit_host_decode(self, q, k, v, meta: AttentionMetadata):
         q_host, k_host, v_host = _to_host(q), _to_host(k), _to_host(v)
@@ -99,10 +99,11 @@ class Attention(nn.Module):
                                   meta.staging.host_token_slots, meta.pending_host_writes)
         if meta.has_gpu_rows:
             self.backend.store_kvcache(k, v, self.k_cache, self.v_cache, meta.slot_mapping)
-            tiled = {} if meta.prefill_tiles is None else {"tiles": meta.prefill_tiles}  # Triton's kernel only
-            partials.append(self.backend.paged_prefill_attention(
-                q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q, meta.context_lens,
-                self.scale, meta.max_seqlen_q, **tiled))
+            # A prefill graph's step runs the tiles of its map, on Triton's kernel whatever serves eager prefill.
+            attend, tiled = ((self.backend.paged_prefill_attention, {}) if meta.prefill_tiles is None else
+                             (self.backend.tiled_prefill_attention, {"tiles": meta.prefill_tiles}))
+            partials.append(attend(q, self.k_cache, self.v_cache, meta.block_tables, meta.cu_seqlens_q,
+                                   meta.context_lens, self.scale, meta.max_seqlen_q, **tiled))
         if meta.has_cpu_rows:
             k_staged, v_staged = self._stage_prefix(meta.staging, q.device)
             self.backend.store_kvcache(k, v, k_staged, v_staged, meta.staging.slot_mapping)
@@ -190,15 +191,16 @@ class Attention(nn.Module):
                               pending_writes)
         self.backend.store_kvcache(k, v, *staged, chunk.staging_slots)
         # The staging cache's table is the identity: Triton's kernel then reads no table.
-        contiguous = {"contiguous": True} if self.backend.name == "triton" else {}
+        contiguous = {"contiguous": True} if self.backend.prefill_name == "triton" else {}
         out, _ = self.backend.paged_prefill_attention(q, *staged, chunk.block_table, chunk.cu_seqlens_q,
                                                       chunk.context_lens, self.scale, chunk.num_tokens, **contiguous)
         return out
 
     def _staging_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
+        """Token-major; zeroed for flash-attn, which may read a partial last block whole (flash_attn_backend.py)."""
         _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
-        return torch.empty((num_blocks, block_size, num_kv_heads, head_dim), dtype=self.k_cache_cpu.dtype,
-                           device=device)
+        make = torch.zeros if self.backend.prefill_name == "flash-attn" else torch.empty
+        return make((num_blocks, block_size, num_kv_heads, head_dim), dtype=self.k_cache_cpu.dtype, device=device)
 
     def _gather_host_blocks(self, host_pool: torch.Tensor, source_blocks: torch.Tensor, into: torch.Tensor) -> None:
         """into[i] = host_pool[source_blocks[i]], token-major (transposed on the device)."""
@@ -222,6 +224,24 @@ class Attention(nn.Module):
         parts = device_pool.index_select(0, device_source)
         block_size = into.shape[1]
         into[: parts.shape[0] * parts.shape[1] // block_size].copy_(parts.view(-1, *into.shape[1:]))
+
+    def compile_prefill(self, staged: bool) -> None:
+        """At start-up, the prefill kernels compiled per cache shape, so that none compiles in a first prefill:
+        flash-attn 4's for the device pool's block size; with `staged` (a host tier), the staging cache's."""
+        if self.backend.prefill_name == "flash-attn":
+            self._compile_device_prefill()
+        if staged:
+            self.compile_staged_prefill()
+
+    def _compile_device_prefill(self) -> None:
+        """The prefill kernel once on two tokens of a cache shaped as the device pool."""
+        _, block_size, num_kv_heads, head_dim = self.k_cache.shape
+        device, dtype, tokens = self.k_cache.device, self.k_cache.dtype, 2
+        q = torch.randn(tokens, self.num_heads, head_dim, device=device, dtype=dtype)
+        caches = [torch.zeros(1, block_size, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)]
+        as_int32 = lambda rows: torch.tensor(rows, device=device, dtype=torch.int32)
+        self.backend.paged_prefill_attention(q, *caches, as_int32([[0]]), as_int32([0, tokens]), as_int32([tokens]),
+                                             self.scale, tokens)
 
     def compile_staged_prefill(self) -> None:
         """Runs a host-tier prefill's device kernels once on two tokens (the staging cache's variants: the host block

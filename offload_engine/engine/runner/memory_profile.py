@@ -59,9 +59,10 @@ def stream_staging_bytes(runner) -> int:
 def allocate_device_pool(model_cfg, num_blocks: int, block_size: int, dtype: torch.dtype,
                          device: torch.device) -> torch.Tensor:
     """Every layer's K and V in one tensor, [L, 2, blocks, block_size, Hkv, D]: moves between the tiers take a
-    batch of layers per kernel."""
+    batch of layers per kernel. Zeroed: a kernel that loads a partial last block whole (flash-attn 4) reads finite
+    values past a row's end; later, stale blocks hold earlier rows' finite K/V."""
     shape = (model_cfg.num_layers, 2, num_blocks, block_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-    return torch.empty(shape, dtype=dtype, device=device)
+    return torch.zeros(shape, dtype=dtype, device=device)
 
 
 def layer_views(stacked: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -102,9 +102,8 @@ class ModelRunner:
         began = time.perf_counter()
         self.prefill_graphs = self.dispatcher.prefill_graphs = capture_prefill_graphs(self)
         self.startup_seconds["prefill_graphs"] = time.perf_counter() - began
-        if self.ring is not None:
-            with torch.inference_mode():
-                self.model.attention_layers()[0].compile_staged_prefill()
+        with torch.inference_mode():
+            self.model.attention_layers()[0].compile_prefill(staged=self.ring is not None)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             self.streams = {lane: engine_stream(self.device, lane) for lane in ("device", "host")}
@@ -178,7 +177,7 @@ class ModelRunner:
 
         # Whole-step graphs need a graph-safe backend: the torch path gathers every table column, which would not fit.
         cfg = self.model_cfg
-        whole = self.backend.name != "torch"
+        whole = self.backend.decode_name != "torch"
         graphs = {"device": DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim, self.dtype,
                                          self.device, engine_stream(self.device, "capture-device"),
                                          inputs=self.device_decode.batch if whole else None)}
