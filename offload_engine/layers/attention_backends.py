@@ -16,9 +16,10 @@ from offload_engine.layers import torch_attention
 
 FLASH_ATTN_2_BLOCK_MULTIPLE = 256
 FLASH_ATTN_4_MIN_CAPABILITY = 9  # Hopper
-# "auto" on CUDA, per operation: decode on Triton, which read KV at least as fast as flash-attn 4 at blocks of 16
-# (1.0-1.2x, and 11x at 1 x 128k where flash-attn 4 does not split); prefill on flash-attn 4 where it is installed,
-# at its flash rate against our kernel's 0.72 of SDPA's on long chunks (docs/results.md, issue 62's measurements).
+# "auto" on CUDA, per operation: decode on Triton, which read KV at least as fast as flash-attn 4 at blocks of 16 in
+# issue 62's runs (1.0-1.2x; 11x at 1 x 128k, where flash-attn 4 did not split), and prefill on flash-attn 4 where it
+# is installed: 616-632 TFLOP/s causal there, SDPA's rate, where our kernel reaches 0.72 of SDPA's on long chunks
+# (docs/results.md). To be confirmed side by side by bench_gpu_attention.py on each GPU.
 AUTO_CHOICE = {"decode": "triton", "prefill": "flash-attn"}
 
 
