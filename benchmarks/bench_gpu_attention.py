@@ -130,6 +130,20 @@ def flash_attn_4():
     return FlashAttn4
 
 
+def fa4_into(row: dict, unit: str, work: float, time_ms) -> None:
+    """flash-attn 4's milliseconds (time_ms(backend)) and rate (work per second, as fa4_<unit>) into row, or why not;
+    nothing where flash-attn 4 does not run here."""
+    fa4 = flash_attn_4()
+    if fa4 is None:
+        return
+    try:
+        ms = time_ms(fa4)
+        row.update({"fa4_ms": ms, f"fa4_{unit}": work / (ms * 1e-3)})
+    except Exception as exc:  # noqa: BLE001 - a case it cannot run is a result
+        row["fa4_error"] = repr(exc)[:300]
+    torch.cuda.empty_cache()
+
+
 def ours_decode_ms(batch, context, block_size, device, decode=paged_decode_attention):
     k_cache, v_cache, tables = paged_kv(context, batch, block_size, device)
     q = torch.randn(batch, NUM_Q_HEADS, HEAD_DIM, device=device, dtype=DTYPE)
@@ -164,14 +178,8 @@ def run_decode(cases, block_sizes, copy_gbps, max_kv_gb, device):
                 entry["error"] = repr(exc)[:300]
                 traceback.print_exc()
             torch.cuda.empty_cache()
-            fa4 = flash_attn_4()
-            if fa4 is not None:
-                try:
-                    ms = ours_decode_ms(batch, context, block_size, device, fa4.paged_decode_attention)
-                    entry.update(fa4_ms=ms, fa4_gbps=kv_bytes / (ms * 1e-3) / 1e9)
-                except Exception as exc:
-                    entry["fa4_error"] = repr(exc)[:300]
-                torch.cuda.empty_cache()
+            fa4_into(entry, "gbps", kv_bytes / 1e9,
+                     lambda fa4: ours_decode_ms(batch, context, block_size, device, fa4.paged_decode_attention))
             rows.append(entry)
             print_decode_row(entry)
     return rows
@@ -213,14 +221,8 @@ def run_prefill(cases, block_size, device):
             row["error"] = repr(exc)[:300]
             traceback.print_exc()
         torch.cuda.empty_cache()
-        fa4 = flash_attn_4()
-        if fa4 is not None:
-            try:
-                ms = ours_prefill_ms(batch, length, block_size, device, fa4.paged_prefill_attention)
-                row.update(fa4_ms=ms, fa4_tflops=flops / (ms * 1e-3) / 1e12)
-            except Exception as exc:
-                row["fa4_error"] = repr(exc)[:300]
-            torch.cuda.empty_cache()
+        fa4_into(row, "tflops", flops / 1e12,
+                 lambda fa4: ours_prefill_ms(batch, length, block_size, device, fa4.paged_prefill_attention))
         rows.append(row)
         print(f"prefill B={batch} L={length} bs={block_size}: flash-attn 4 {row.get('fa4_tflops', float('nan')):6.1f}"
               f" TFLOP/s  ours {row.get('ours_tflops', float('nan')):6.1f} "
