@@ -9,7 +9,7 @@ import weakref
 import torch
 from tqdm.auto import tqdm
 
-from offload_engine.config import DTYPES, EngineConfig, ModelConfig, read_json_object
+from offload_engine.config import ATTENTION_BACKENDS, DTYPES, EngineConfig, ModelConfig, read_json_object
 from offload_engine.distributed.launch import launched_rank
 from offload_engine.distributed.worker import launched_worker_main
 from offload_engine.engine.llm_engine import LLMEngine
@@ -20,13 +20,24 @@ from offload_engine.sampling_params import SamplingParams
 from offload_engine.tokenizer import load_tokenizer
 
 
+BACKEND_VARIABLE = "OFFLOAD_ENGINE_ATTENTION_BACKEND"  # attention_backend's default where the argument is not given
+
+
+def _backend_from_environment() -> str:
+    value = os.environ.get(BACKEND_VARIABLE, "auto")
+    if value not in ATTENTION_BACKENDS:
+        raise ValueError(f"{BACKEND_VARIABLE}={value!r} names no attention backend: set it to one of "
+                         f"{', '.join(ATTENTION_BACKENDS)}, or unset it")
+    return value
+
+
 class LLM:
     def __init__(self, model_dir: str | None = None, device: str | None = None, dtype: str = "auto",
                  kv_placement: str = "auto", kv_promotion: bool = True, num_gpu_blocks: int | None = None, num_cpu_blocks: int | None = None,
                  cpu_kv_cache_gb: float | None = None, block_size: int = 16, cpu_block_size: int | None = None,
                  max_model_len: int | None = None, max_num_seqs: int = 256, max_num_batched_tokens: int = 16384,
                  gpu_memory_utilization: float = 0.9, enforce_eager: bool = False, enable_prefix_caching: bool = True,
-                 attention_backend: str = "auto", seed: int = 0, model: str | None = None,
+                 attention_backend: str | None = None, seed: int = 0, model: str | None = None,
                  prefill_segment_tokens: int | None = None, async_scheduling: bool = True,
                  tensor_parallel_size: int = 1, prefill_device: str | None = None, prefill_graph_tokens: int = 8192,
                  stream_host_kv: bool = True, stream_staging_gb: float = 1.0):
@@ -39,6 +50,8 @@ class LLM:
         are prefilled there and decoded on `device`. prefill_graph_tokens: prefill steps of device-tier rows up to this
         many tokens (at most max_num_batched_tokens) replay CUDA graphs, whose memory comes out of the KV pool's share;
         0 runs prefill eagerly. async_scheduling: the device lane queues its next step before reading this one's tokens.
+        attention_backend: None takes $OFFLOAD_ENGINE_ATTENTION_BACKEND, else "auto", as vLLM reads
+        VLLM_ATTENTION_BACKEND (`OFFLOAD_ENGINE_ATTENTION_BACKEND=flash-attn make test-gpu` runs the suite on it).
         stream_host_kv: a host step also streams a share of its rows' host KV over PCIe and attends it on the device,
         beside the CPU kernel (False: the CPU kernel reads all of it); stream_staging_gb: the device memory that
         streaming's double-buffered staging takes, at most (it comes out of the KV pool's share).
@@ -57,7 +70,8 @@ class LLM:
             max_num_batched_tokens=max_num_batched_tokens, prefill_segment_tokens=prefill_segment_tokens,
             gpu_memory_utilization=gpu_memory_utilization,
             enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching, async_scheduling=async_scheduling,
-            attention_backend=attention_backend, seed=seed, tensor_parallel_size=tensor_parallel_size,
+            attention_backend=attention_backend or _backend_from_environment(), seed=seed,
+            tensor_parallel_size=tensor_parallel_size,
             prefill_device=prefill_device, prefill_graph_tokens=prefill_graph_tokens, stream_host_kv=stream_host_kv,
             stream_staging_gb=stream_staging_gb)
         self.config.validate()

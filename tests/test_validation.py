@@ -16,6 +16,7 @@ from safetensors.torch import load_file, save_file
 from offload_engine import LLM, SamplingParams
 from offload_engine.config import EngineConfig
 from offload_engine.demo import run_demo
+from offload_engine.layers.attention_backends import flash_attn_version
 from offload_engine.tokenizer import load_tokenizer
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
@@ -123,9 +124,19 @@ def test_host_pool_larger_than_the_host_can_spare(qwen3_dir):
         LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="cpu", cpu_kv_cache_gb=10**6)
 
 
+@pytest.mark.skipif(flash_attn_version(torch.device(TEST_DEVICE)) is not None, reason="flash-attn runs here")
 def test_forcing_an_unavailable_backend_is_a_clear_error(qwen3_dir):
     with pytest.raises(ValueError, match="flash"):
         LLM(qwen3_dir, device=TEST_DEVICE, attention_backend="flash-attn")
+
+
+def test_the_backend_variable_is_the_default_and_an_argument_wins(qwen3_dir, monkeypatch):
+    monkeypatch.setenv("OFFLOAD_ENGINE_ATTENTION_BACKEND", "nonsense")
+    with pytest.raises(ValueError, match="OFFLOAD_ENGINE_ATTENTION_BACKEND='nonsense' names no attention backend"):
+        LLM(qwen3_dir, device=TEST_DEVICE)
+    with LLM(qwen3_dir, device=TEST_DEVICE, attention_backend="auto") as llm:
+        assert llm.generate(GOOD, SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0].token_ids == \
+            hf_greedy(qwen3_dir, GOOD, 3)[0]
 
 
 def test_model_keyword_as_in_vllm(qwen3_dir):
