@@ -235,18 +235,25 @@ class Attention(nn.Module):
 
     def _compile_device_prefill(self) -> None:
         """The prefill kernel once on two tokens of a cache shaped as the device pool."""
-        _, block_size, num_kv_heads, head_dim = self.k_cache.shape
-        device, dtype, tokens = self.k_cache.device, self.k_cache.dtype, 2
-        q = torch.randn(tokens, self.num_heads, head_dim, device=device, dtype=dtype)
-        caches = [torch.zeros(1, block_size, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)]
-        as_int32 = lambda rows: torch.tensor(rows, device=device, dtype=torch.int32)
-        self.backend.paged_prefill_attention(q, *caches, as_int32([[0]]), as_int32([0, tokens]), as_int32([tokens]),
-                                             self.scale, tokens)
+        self._prefill_once(self.k_cache.shape[1])
 
     def compile_staged_prefill(self) -> None:
         """Runs a host-tier prefill's device kernels once on two tokens (the staging cache's variants: the host block
         size is a Triton constexpr; the whole-block host writes), so they compile at start-up, not in the first one."""
         _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
+        k, v, out, lse = self._prefill_once(block_size)
+        self.backend.merge_attn_states(out, lse, out, lse)
+        if self.k_cache_mapped is not None and k.is_cuda:
+            from kernels.host_block_copies import write_host_blocks_whole
+
+            device, dtype = k.device, k.dtype
+            pools = [torch.empty(1, num_kv_heads, block_size, head_dim, device=device, dtype=dtype) for _ in range(2)]
+            rows = torch.tensor([0, 1] + [-1] * (block_size - 2), device=device)
+            write_host_blocks_whole(k, v, *pools, rows, torch.zeros(1, dtype=torch.int64, device=device))
+
+    def _prefill_once(self, block_size: int):
+        """Two tokens' K/V stored in a two-block cache of `block_size`, then attended causally: (k, v, out, lse)."""
+        _, _, num_kv_heads, head_dim = self.k_cache.shape
         device, dtype, tokens = self.k_cache.device, self.k_cache.dtype, 2
         q = torch.randn(tokens, self.num_heads, head_dim, device=device, dtype=dtype)
         k, v = (torch.randn(tokens, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2))
@@ -255,13 +262,7 @@ class Attention(nn.Module):
         as_int32 = lambda rows: torch.tensor(rows, device=device, dtype=torch.int32)
         out, lse = self.backend.paged_prefill_attention(q, *caches, as_int32([[0, 1]]), as_int32([0, tokens]),
                                                         as_int32([tokens]), self.scale, tokens)
-        self.backend.merge_attn_states(out, lse, out, lse)
-        if self.k_cache_mapped is not None and k.is_cuda:
-            from kernels.host_block_copies import write_host_blocks_whole
-
-            pools = [torch.empty(1, num_kv_heads, block_size, head_dim, device=device, dtype=dtype) for _ in range(2)]
-            rows = torch.tensor([0, 1] + [-1] * (block_size - 2), device=device)
-            write_host_blocks_whole(k, v, *pools, rows, torch.zeros(1, dtype=torch.int64, device=device))
+        return k, v, out, lse
 
 
 def _to_host(t: torch.Tensor) -> torch.Tensor:

@@ -166,10 +166,12 @@ class PrefillGraphs:
 
 
 def prefill_graph_tokens(runner) -> int:
-    """The largest prefill step that may replay a graph on this runner; 0 off CUDA, eager, tensor-parallel, and on
-    backends other than Triton (flash-attn's and torch's prefill attention take their grid from the step)."""
+    """The largest prefill step that may replay a graph on this runner; 0 off CUDA, eager, tensor-parallel, and
+    without Triton's tiled prefill kernel (the torch backend's takes its loop from the step). Graph steps attend on
+    that kernel whatever serves eager prefill."""
     cfg = runner.cfg
-    if runner.device.type != "cuda" or cfg.enforce_eager or runner.tp.size > 1 or runner.backend.tiled_prefill_attention is None:
+    if (runner.device.type != "cuda" or cfg.enforce_eager or runner.tp.size > 1
+            or runner.backend.tiled_prefill_attention is None):
         return 0
     return min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens)
 
