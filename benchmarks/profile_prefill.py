@@ -142,7 +142,8 @@ def profile(workload: str, placement: str, cache: str) -> dict:
                 "prefill_tok_per_s": n / prefill_seconds, "profiled_wall_seconds": wall, "work": work,
                 "ceilings": ceiling, "parts": parts,
                 "top_kernels": [{"name": name[:120], "seconds": s, "part": part_of(name)} for name, s in top],
-                "chunk_tokens": llm.config.max_num_batched_tokens}
+                "chunk_tokens": llm.config.max_num_batched_tokens,
+                "attention_backend": os.environ.get("OFFLOAD_ENGINE_ATTENTION_BACKEND", "auto")}
     finally:
         llm.close()
 

@@ -4,7 +4,7 @@
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
-#   flash-attn-install, flash-attn, multi-gpu, multi-gpu-tp
+#   flash-attn-install, flash-attn, flash-attn-bench, multi-gpu, multi-gpu-tp
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -153,17 +153,20 @@ case "${1:-check}" in
   test-gpu-shards)  # make test-gpu in one call on a host of several GPUs: one pytest per GPU, each on its own cores,
     # the files dealt out by size; outputs concatenated into $OUT/gpu_tests.txt. SHARD_GPUS: use only the first
     # N GPUs (and their cores), leaving the others to a benchmark run beside the tests; GPU_TESTS: the output's name
-    # (gpu_tests_flash_attn with OFFLOAD_ENGINE_ATTENTION_BACKEND=flash-attn)
+    # (gpu_tests_flash_attn with OFFLOAD_ENGINE_ATTENTION_BACKEND=flash-attn); SHARDS_PER_GPU: pytest processes per
+    # GPU, the GPU's cores split among them
     make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
-    all=$(nvidia-smi -L | wc -l); gpus=${SHARD_GPUS:-$all}; cores=$(( $(nproc) / all ))
+    all=$(nvidia-smi -L | wc -l); gpus=${SHARD_GPUS:-$all}; per=${SHARDS_PER_GPU:-1}; shards=$((gpus * per))
+    cores=$(( $(nproc) / all / per ))
     files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_" | xargs wc -c | sort -rn | awk '$2!="total"{print $2}')
-    i=0; for f in $files; do echo "$f" >> "$OUT/shard_$((i % gpus)).txt"; i=$((i + 1)); done
-    for g in $(seq 0 $((gpus - 1))); do
-      CUDA_VISIBLE_DEVICES=$g NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda taskset -c $((g * cores))-$(((g + 1) * cores - 1)) \
-        timeout 560 .venv/bin/python -m pytest -q -rs $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
+    i=0; for f in $files; do echo "$f" >> "$OUT/shard_$((i % shards)).txt"; i=$((i + 1)); done
+    for g in $(seq 0 $((shards - 1))); do
+      CUDA_VISIBLE_DEVICES=$((g % gpus)) NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda \
+        taskset -c $((g * cores))-$(((g + 1) * cores - 1)) timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -q -rs \
+        --durations=5 $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
     done
-    wait
-    { echo "# make test-gpu in $gpus shards, $(date -u '+%F %H:%M') UTC, commit ${BENCH_COMMIT:-?}, backend ${OFFLOAD_ENGINE_ATTENTION_BACKEND:-auto}, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
+    wait; gpus=$shards
+    { echo "# make test-gpu in $gpus shards ($per per GPU), $(date -u '+%F %H:%M') UTC, commit ${BENCH_COMMIT:-?}, backend ${OFFLOAD_ENGINE_ATTENTION_BACKEND:-auto}, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
       for g in $(seq 0 $((gpus - 1))); do echo "## shard $g: $(tr '\n' ' ' < "$OUT/shard_$g.txt")"; cat "$OUT/gpu_tests_shard_$g.txt"; done
     } > "$OUT/${GPU_TESTS:-gpu_tests}.txt"; grep -h "passed\|failed" "$OUT"/gpu_tests_shard_*.txt; rm -f "$OUT"/shard_*.txt "$OUT"/gpu_tests_shard_*.txt
     ;;
@@ -182,6 +185,24 @@ case "${1:-check}" in
     step fa4_tests 300 env OFFLOAD_ENGINE_TEST_DEVICE=cuda python3 -m pytest -q -rs tests/layers \
       tests/engine/test_placements.py tests/engine/test_split_sequences.py tests/engine/runner/test_prefill_segments.py
     step gpu_attention 280 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"
+    ;;
+  flash-attn-bench)  # issue 62 on a host of four GPUs, one group per GPU and its cores, in parallel: the kernels side
+    # by side (bench_gpu_attention), the engine per backend (bench_backends: 0.6B cases, then 8B cases) and c's
+    # prefill per backend (profile_prefill); every comparison runs within one group, on one GPU
+    cores=$(( $(nproc) / 4 ))
+    group() {  # group GPU NAME CMD...
+      local g=$1 name=$2; shift 2
+      CUDA_VISIBLE_DEVICES=$g NUMBA_NUM_THREADS=$cores taskset -c $((g * cores))-$(((g + 1) * cores - 1)) \
+        timeout 540 "$@" > "$OUT/$name.log" 2>&1; echo "--- $name exit $?"; tail -n 12 "$OUT/$name.log"; rm "$OUT/$name.log"
+    }
+    group 0 gpu_attention python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT" &
+    group 1 backends_small python3 -m benchmarks.bench_backends --cases b-0.6b-gpu,b-0.6b-auto-quarter,long-prompts-0.6b-gpu \
+      --out "$OUT/backends_engine_0.6b.json" &
+    group 2 backends_8b python3 -m benchmarks.bench_backends --cases b-8b-gpu,b-8b-auto-quarter \
+      --out "$OUT/backends_engine_8b.json" &
+    group 3 prefill_c bash -c 'for b in triton flash-attn; do OFFLOAD_ENGINE_ATTENTION_BACKEND=$b python3 -m \
+      benchmarks.profile_prefill --workload c --out "$OUT/prefill_profile_c_$b.json" | tail -n 3; done' &
+    wait
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"

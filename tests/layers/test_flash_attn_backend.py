@@ -27,8 +27,8 @@ def stand_in(q, k, v, cu_seqlens_q=None, max_seqlen_q=None, seqused_k=None, page
     batched = cu_seqlens_q is None
     starts = list(range(0, q.shape[0] + 1)) if batched else cu_seqlens_q.tolist()
     flat_q = q.flatten(0, 1) if batched else q
-    out = torch.zeros(flat_q.shape, dtype=torch.float64)
-    lse = torch.full((flat_q.shape[1], flat_q.shape[0]), -math.inf, dtype=torch.float64)
+    out = torch.zeros(flat_q.shape, dtype=torch.float64, device=q.device)
+    lse = torch.full((flat_q.shape[1], flat_q.shape[0]), -math.inf, dtype=torch.float64, device=q.device)
     page = k.shape[1]
     for b, used in enumerate(seqused_k.tolist()):
         rows = slice(starts[b], starts[b + 1])
