@@ -8,6 +8,7 @@ without keys come back with out 0 and lse -inf; block tables' -1 padding is neve
 partial last page whole, so the caches it reads hold finite values past each row's end (the device pool is zeroed
 when allocated; staging caches are zeroed for it).
 """
+import functools
 import importlib
 import importlib.util
 import math
@@ -44,6 +45,11 @@ def _pages(block_tables: torch.Tensor) -> torch.Tensor:
     return block_tables.clamp_min(0).to(torch.int32)
 
 
+@functools.cache
+def _default_splits(device: torch.device) -> int:
+    return 1 if device.type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9 else 0
+
+
 def _without_keys(out: torch.Tensor, lse: torch.Tensor, has_keys: torch.Tensor):
     """Rows (tokens) with no keys: out 0, lse -inf, whatever the kernel left there."""
     out = out.masked_fill(~has_keys.view(-1, *([1] * (out.dim() - 1))), 0.0)
@@ -60,12 +66,14 @@ class FlashAttn4:
     name = "flash-attn"
 
     @staticmethod
-    def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int = 0):
-        """num_splits: along the keys; 0 lets flash-attn choose from the batch and the SMs (long contexts split)."""
+    def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, num_splits: int | None = None):
+        """num_splits: along the keys; 0 lets flash-attn choose from the batch and the SMs (long contexts split),
+        None: 0 where flash-attn 4 splits, 1 on Hopper, where it does not ("SplitKV not supported on SM 9.0")."""
         if q.shape[0] == 0:
             return _empty(q)
+        splits = _default_splits(q.device) if num_splits is None else num_splits
         out, lse = _varlen()(q.unsqueeze(1), k_cache, v_cache, seqused_k=context_lens, page_table=_pages(block_tables),
-                             softmax_scale=scale, causal=False, num_splits=num_splits, return_lse=True)
+                             softmax_scale=scale, causal=False, num_splits=splits, return_lse=True)
         return _without_keys(out.squeeze(1), lse.squeeze(-1), context_lens > 0)  # lse [B, Hq, 1] -> [B, Hq]
 
     @staticmethod
