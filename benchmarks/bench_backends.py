@@ -5,11 +5,12 @@
 Each case (prefill-heavy engine runs: the suite's b shapes and long prompts) runs once per backend, one after the
 other on this GPU, through `engine_run.measure` (a warm-up first, so compiles fall outside the clock). Per case the
 JSON gives every backend's output and total tok/s, prefill seconds and median decode step, and `auto_over_best`:
-auto's total tok/s over the faster of the others. Needs CUDA; flash-attn 4 must be installed for "flash-attn".
+auto's total tok/s over the faster of the others (medians over --rounds, with each backend's spread). Needs CUDA; flash-attn 4 must be installed for "flash-attn".
 """
 import argparse
 import json
 import os
+import statistics
 import time
 
 from benchmarks.bench_long_context import commit
@@ -47,11 +48,17 @@ def run_case(name: str, backend: str, cache: str) -> dict:
 
 
 def ratios(runs: list[dict]) -> dict:
-    """Per case: each backend's total tok/s over triton's, and auto's over the faster of the others."""
+    """Per case, on each backend's median total tok/s over the rounds: each backend's over triton's, auto's over
+    the faster of the others, and each backend's spread ((max - min) / median) where it ran more than once."""
     out = {}
     for case in dict.fromkeys(r["case"] for r in runs):
-        rate = {r["backend"]: r["total_tok_per_s"] for r in runs if r["case"] == case and "error" not in r}
+        rates = {}
+        for r in runs:
+            if r["case"] == case and "error" not in r:
+                rates.setdefault(r["backend"], []).append(r["total_tok_per_s"])
+        rate = {b: statistics.median(v) for b, v in rates.items()}
         entry = {f"{b}_over_triton": rate[b] / rate["triton"] for b in rate if "triton" in rate and b != "triton"}
+        entry.update({f"{b}_spread": (max(v) - min(v)) / rate[b] for b, v in rates.items() if len(v) > 1})
         others = [v for b, v in rate.items() if b != "auto"]
         if "auto" in rate and others:
             entry["auto_over_best"] = rate["auto"] / max(others)
@@ -63,6 +70,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cases", default=",".join(c for c in CASES if not c.startswith("tiny")), help=f"comma-separated, of: {', '.join(CASES)}")
     parser.add_argument("--backends", default="triton,flash-attn,auto")
+    parser.add_argument("--rounds", type=int, default=1, help="every case and backend this many times, interleaved")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out", default=None)
     args = parser.parse_args(argv)
@@ -71,8 +79,9 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--cases: unknown {sorted(unknown)}; choose from {', '.join(CASES)}")
     runs = []
     for case in args.cases.split(","):
-        for backend in args.backends.split(","):
-            runs.append(run_case(case, backend, args.model_cache))
+        for round_ in range(args.rounds):
+            for backend in args.backends.split(","):
+                runs.append({**run_case(case, backend, args.model_cache), "round": round_})
             print(json.dumps(runs[-1]), flush=True)
     result = {"device": device_slug(), "date": time.strftime("%Y-%m-%d"), "commit": commit(),
               "cases": {name: CASES[name] for name in args.cases.split(",")}, "runs": runs, "ratios": ratios(runs)}

@@ -204,6 +204,17 @@ case "${1:-check}" in
       benchmarks.profile_prefill --workload c --out "$OUT/prefill_profile_c_$b.json" | tail -n 3; done' &
     wait
     ;;
+  flash-attn-rounds)  # bench_backends' case where placements vary run to run (auto at 1/4), in rounds, beside the
+    # 0.6B's plain b on another GPU
+    cores=$(( $(nproc) / 4 ))
+    for g in 0 1; do
+      case_=$([ $g = 0 ] && echo b-0.6b-auto-quarter || echo b-0.6b-gpu,long-prompts-0.6b-gpu)
+      CUDA_VISIBLE_DEVICES=$g NUMBA_NUM_THREADS=$cores taskset -c $((g * cores))-$(((g + 1) * cores - 1)) timeout 400 \
+        python3 -m benchmarks.bench_backends --cases $case_ --rounds 3 --out "$OUT/backends_engine_rounds_$g.json" \
+        > "$OUT/rounds_$g.log" 2>&1 &
+    done
+    wait; tail -n 30 "$OUT"/rounds_*.log; rm "$OUT"/rounds_*.log
+    ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
     step multi_gpu_pd 450 python3 -m benchmarks.bench_multi_gpu --entries pd --out-dir "$OUT"
