@@ -191,7 +191,7 @@ class Attention(nn.Module):
                               pending_writes)
         self.backend.store_kvcache(k, v, *staged, chunk.staging_slots)
         # The staging cache's table is the identity: Triton's kernel then reads no table.
-        contiguous = {"contiguous": True} if self.backend.prefill_name == "triton" else {}
+        contiguous = {"contiguous": True} if self.backend.prefill_takes_contiguous else {}
         out, _ = self.backend.paged_prefill_attention(q, *staged, chunk.block_table, chunk.cu_seqlens_q,
                                                       chunk.context_lens, self.scale, chunk.num_tokens, **contiguous)
         return out
@@ -199,7 +199,7 @@ class Attention(nn.Module):
     def _staging_cache(self, num_blocks: int, device: torch.device) -> torch.Tensor:
         """Token-major; zeroed for flash-attn, which may read a partial last block whole (flash_attn_backend.py)."""
         _, num_kv_heads, block_size, head_dim = self.k_cache_cpu.shape
-        make = torch.zeros if self.backend.prefill_name == "flash-attn" else torch.empty
+        make = torch.zeros if self.backend.flash_attn_prefill is not None else torch.empty
         return make((num_blocks, block_size, num_kv_heads, head_dim), dtype=self.k_cache_cpu.dtype, device=device)
 
     def _gather_host_blocks(self, host_pool: torch.Tensor, source_blocks: torch.Tensor, into: torch.Tensor) -> None:
@@ -228,14 +228,13 @@ class Attention(nn.Module):
     def compile_prefill(self, staged: bool) -> None:
         """At start-up, the prefill kernels compiled per cache shape, so that none compiles in a first prefill:
         flash-attn 4's for the device pool's block size; with `staged` (a host tier), the staging cache's."""
-        if self.backend.prefill_name == "flash-attn":
-            self._compile_device_prefill()
+        flash_attn = self.backend.flash_attn_prefill
+        if flash_attn is not None:
+            self._prefill_once(self.k_cache.shape[1], flash_attn)
         if staged:
             self.compile_staged_prefill()
-
-    def _compile_device_prefill(self) -> None:
-        """The prefill kernel once on two tokens of a cache shaped as the device pool."""
-        self._prefill_once(self.k_cache.shape[1])
+            if flash_attn is not None:
+                self._prefill_once(self.k_cache_cpu.shape[2], flash_attn)
 
     def compile_staged_prefill(self) -> None:
         """Runs a host-tier prefill's device kernels once on two tokens (the staging cache's variants: the host block
@@ -251,8 +250,10 @@ class Attention(nn.Module):
             rows = torch.tensor([0, 1] + [-1] * (block_size - 2), device=device)
             write_host_blocks_whole(k, v, *pools, rows, torch.zeros(1, dtype=torch.int64, device=device))
 
-    def _prefill_once(self, block_size: int):
-        """Two tokens' K/V stored in a two-block cache of `block_size`, then attended causally: (k, v, out, lse)."""
+    def _prefill_once(self, block_size: int, attend=None):
+        """Two tokens' K/V stored in a two-block cache of `block_size`, then attended causally by `attend` (the
+        backend's prefill if None): (k, v, out, lse)."""
+        attend = attend or self.backend.paged_prefill_attention
         _, _, num_kv_heads, head_dim = self.k_cache.shape
         device, dtype, tokens = self.k_cache.device, self.k_cache.dtype, 2
         q = torch.randn(tokens, self.num_heads, head_dim, device=device, dtype=dtype)
@@ -260,8 +261,7 @@ class Attention(nn.Module):
         caches = [torch.zeros(2, block_size, num_kv_heads, head_dim, device=device, dtype=dtype) for _ in range(2)]
         self.backend.store_kvcache(k, v, *caches, torch.arange(tokens, device=device))
         as_int32 = lambda rows: torch.tensor(rows, device=device, dtype=torch.int32)
-        out, lse = self.backend.paged_prefill_attention(q, *caches, as_int32([[0, 1]]), as_int32([0, tokens]),
-                                                        as_int32([tokens]), self.scale, tokens)
+        out, lse = attend(q, *caches, as_int32([[0, 1]]), as_int32([0, tokens]), as_int32([tokens]), self.scale, tokens)
         return k, v, out, lse
 
 

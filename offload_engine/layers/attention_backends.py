@@ -5,7 +5,8 @@ under TRITON_INTERPRET=1); "flash-attn" is flash-attn 4 (any block size) or 2 (b
 A backend is a namespace of the kernel functions, and each operation names who serves it (`decode_name`,
 `prefill_name`). Two operations stay on Triton whatever serves the rest, where it runs: prefill steps replayed by
 prefill graphs (`tiled_prefill_attention`, cut by their tile map) and the streamed share's decode over a strided view
-(`strided_decode_attention`). "auto" takes, per operation, what measured faster (AUTO_CHOICE; docs/results.md).
+(`strided_decode_attention`). "auto" takes, per operation and shape class, what measured faster (AUTO_CHOICE).
+flash-attn runs float16 and bfloat16 only: "auto" keeps other dtypes on Triton.
 """
 import os
 from types import SimpleNamespace
@@ -16,11 +17,12 @@ from offload_engine.layers import torch_attention
 
 FLASH_ATTN_2_BLOCK_MULTIPLE = 256
 FLASH_ATTN_4_MIN_CAPABILITY = 9  # Hopper
-# "auto" on CUDA, per operation: decode on Triton, which read KV at least as fast as flash-attn 4 at blocks of 16 in
-# issue 62's runs (1.0-1.2x; 11x at 1 x 128k, where flash-attn 4 did not split), and prefill on flash-attn 4 where it
-# is installed: 616-632 TFLOP/s causal there, SDPA's rate, where our kernel reaches 0.72 of SDPA's on long chunks
-# (docs/results.md). To be confirmed side by side by bench_gpu_attention.py on each GPU.
-AUTO_CHOICE = {"decode": "triton", "prefill": "flash-attn"}
+FLASH_ATTN_DTYPES = (torch.float16, torch.bfloat16)
+# "auto" on CUDA (docs/decisions/device-kernels.md, "flash-attn 4"): decode on Triton, which read KV as fast as
+# flash-attn 4 or faster at every measured shape (it does not split the keys on Hopper); eager prefill on flash-attn 4
+# where it is installed and a step's keys reach `long_prefill_keys` (1.2-1.3x the engine's prefill on 32k-262k
+# prompts), on Triton below (equal kernels, and Triton's launches cost less on short chunks).
+AUTO_CHOICE = {"decode": "triton", "prefill": "flash-attn", "long_prefill_keys": 8192}
 
 
 def flash_attn_version(device: torch.device) -> int | None:
@@ -35,7 +37,8 @@ def flash_attn_version(device: torch.device) -> int | None:
     return version
 
 
-def select_backend(name: str, device: torch.device, block_size: int) -> SimpleNamespace:
+def select_backend(name: str, device: torch.device, block_size: int,
+                   dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
     """Resolves "auto" (per operation on CUDA; torch on the CPU) and checks a forced choice ("flash_attn" is
     "flash-attn", as vLLM users may spell it)."""
     name = "flash-attn" if name == "flash_attn" else name
@@ -44,12 +47,12 @@ def select_backend(name: str, device: torch.device, block_size: int) -> SimpleNa
             return _torch_backend()
         import kernels
 
-        prefill = kernels
-        if AUTO_CHOICE["prefill"] == "flash-attn" and flash_attn_version(device) == 4:
+        if (AUTO_CHOICE["prefill"] == "flash-attn" and dtype in FLASH_ATTN_DTYPES
+                and flash_attn_version(device) == 4):
             from offload_engine.layers.flash_attn_backend import FlashAttn4
 
-            prefill = FlashAttn4
-        return _backend(kernels, prefill, "triton", getattr(prefill, "name", "triton"), kernels)
+            return _by_key_span(kernels, FlashAttn4, AUTO_CHOICE["long_prefill_keys"])
+        return _backend(kernels, kernels, "triton", "triton", kernels)
     if name == "torch":
         return _torch_backend()
     if name == "triton":
@@ -60,6 +63,9 @@ def select_backend(name: str, device: torch.device, block_size: int) -> SimpleNa
 
         return _backend(kernels, kernels, "triton", "triton", kernels)
     if name == "flash-attn":
+        if dtype not in FLASH_ATTN_DTYPES:
+            raise ValueError(f"attention_backend='flash-attn' runs float16 and bfloat16, not {dtype}: use "
+                             "dtype='bfloat16' or attention_backend='triton'")
         return _flash_attn(device, block_size)
     raise ValueError(f"unknown attention_backend {name!r}: use 'auto', 'flash-attn', 'triton' or 'torch'")
 
@@ -77,7 +83,25 @@ def _flash_attn(device: torch.device, block_size: int) -> SimpleNamespace:
     from offload_engine.layers.flash_attn_backend import implementation
 
     chosen = implementation(version)
-    return _backend(chosen, chosen, "flash-attn", "flash-attn", kernels)
+    backend = _backend(chosen, chosen, "flash-attn", "flash-attn", kernels)
+    backend.flash_attn_prefill, backend.prefill_takes_contiguous = chosen.paged_prefill_attention, False
+    return backend
+
+
+def _by_key_span(kernels, flash_attn, long_keys: int) -> SimpleNamespace:
+    """Decode on Triton; eager prefill on flash-attn where a step's keys may reach long_keys (its table's width x
+    block size: known on the host, no sync), on Triton below. Triton's identity-table hint (`contiguous`) goes to
+    Triton only."""
+    short, long = kernels.paged_prefill_attention, flash_attn.paged_prefill_attention
+
+    def paged_prefill_attention(q, k_cache, v_cache, block_tables, *args, contiguous: bool = False):
+        if block_tables.shape[1] * k_cache.shape[1] >= long_keys:
+            return long(q, k_cache, v_cache, block_tables, *args)
+        return short(q, k_cache, v_cache, block_tables, *args, contiguous=contiguous)
+
+    backend = _backend(kernels, kernels, "triton", f"flash-attn from {long_keys} keys, triton below", kernels)
+    backend.paged_prefill_attention, backend.flash_attn_prefill = paged_prefill_attention, long
+    return backend
 
 
 def _torch_backend() -> SimpleNamespace:
@@ -96,4 +120,7 @@ def _backend(decode, prefill, decode_name: str, prefill_name: str, ours) -> Simp
         paged_prefill_attention=prefill.paged_prefill_attention,
         tiled_prefill_attention=ours.paged_prefill_attention,
         strided_decode_attention=ours.paged_decode_attention,
+        # flash-attn's prefill where it may serve eager prefill steps (compiled at start-up; zeroed caches), or None
+        flash_attn_prefill=None,
+        prefill_takes_contiguous=prefill is ours and ours.__name__ == "kernels",
     )

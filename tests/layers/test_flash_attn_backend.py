@@ -112,18 +112,28 @@ def test_no_rows_at_all():
     assert out.shape == (0, 4, 64) and lse.shape == (0, 4)
 
 
-def test_auto_takes_each_operation_from_what_measured_faster(monkeypatch):
+def test_auto_decodes_on_triton_and_prefills_long_steps_on_flash_attn(monkeypatch):
     import kernels
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(attention_backends, "flash_attn_version", lambda device: 4)
-    backend = attention_backends.select_backend("auto", cuda, 16)
-    assert (backend.decode_name, backend.prefill_name, backend.name) == ("triton", "flash-attn", "triton+flash-attn")
-    assert backend.paged_decode_attention is kernels.paged_decode_attention
-    assert backend.paged_prefill_attention is FlashAttn4.paged_prefill_attention
+    served = []
+    monkeypatch.setattr(kernels, "paged_prefill_attention", lambda *a, **kw: served.append(("triton", kw)))
+    monkeypatch.setattr(FlashAttn4, "paged_prefill_attention", staticmethod(lambda *a: served.append(("fa4", {}))))
+    backend = attention_backends.select_backend("auto", cuda, 16, torch.bfloat16)
+    assert (backend.decode_name, backend.paged_decode_attention) == ("triton", kernels.paged_decode_attention)
+    assert backend.flash_attn_prefill is FlashAttn4.paged_prefill_attention and backend.prefill_takes_contiguous
+    # A step's key span is its table's width x the block size, known on the host.
+    long_keys, cache = attention_backends.AUTO_CHOICE["long_prefill_keys"], torch.zeros(1, 16, 1, 8)
+    for width in (long_keys // 16 - 1, long_keys // 16):
+        backend.paged_prefill_attention(None, cache, cache, torch.zeros(1, width), None, None, 1.0, 1,
+                                        contiguous=True)
+    assert served == [("triton", {"contiguous": True}), ("fa4", {})]
     # Prefill graphs' tile maps and the streamed share's strided views stay on Triton.
     assert backend.tiled_prefill_attention is kernels.paged_prefill_attention
     assert backend.strided_decode_attention is kernels.paged_decode_attention
+    # flash-attn runs float16 and bfloat16 only; without it, or off CUDA, auto is Triton, or torch.
+    assert attention_backends.select_backend("auto", cuda, 16, torch.float32).name == "triton"
     monkeypatch.setattr(attention_backends, "flash_attn_version", lambda device: None)
     assert attention_backends.select_backend("auto", cuda, 16).name == "triton"
     assert attention_backends.select_backend("auto", torch.device("cpu"), 16).name == "torch"
@@ -138,3 +148,5 @@ def test_a_forced_flash_attn_that_cannot_run_says_what_to_do(monkeypatch):
         attention_backends.select_backend("flash_attn", torch.device("cuda", 0), 16)
     forced = attention_backends.select_backend("flash-attn", torch.device("cuda", 0), 256)
     assert forced.name == "flash-attn" and forced.tiled_prefill_attention is not None
+    with pytest.raises(ValueError, match="float16 and bfloat16.*dtype='bfloat16'"):
+        attention_backends.select_backend("flash-attn", torch.device("cuda", 0), 256, torch.float32)

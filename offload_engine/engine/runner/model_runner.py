@@ -75,13 +75,13 @@ class ModelRunner:
 
     def _start(self, model_dir: str) -> None:
         began = time.perf_counter()
+        self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size, self.dtype)
         # The host tier first: its numba compile and page-locking run on threads while the weights load.
         self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
         if self.host_pool is not None and self.device.type == "cuda":
             self.ring = PinnedRing()
         self.model = build_model(self.whole_model_cfg, model_dir, self.dtype, self.device,
                                  max_position=self.max_model_len, tp=self.tp)
-        self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size)
         self.inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size, self.cfg.seed)
         self.host_inputs = StepInputBuilder(self.device, self.cfg.block_size, self.cfg.cpu_block_size,
                                             self.cfg.seed + 1)
