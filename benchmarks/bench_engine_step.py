@@ -30,35 +30,12 @@ from benchmarks.bench_throughput import RESULTS, device_slug, hbm_copy_gbps, mod
 from benchmarks.engine_run import random_prompts, weight_bytes
 from benchmarks.workloads import PROFILES
 from offload_engine import LLM, SamplingParams
+from offload_engine.engine.graphs.replay_timer import ReplayTimer
 from offload_engine.layers import fused
 
 BATCHES = (1, 4, 16, 64, 128, 256)
 CONTEXTS = (512, 2048, 8192)
 MAX_CASE_TOKENS = 600_000  # batch x context of one case; more would not fit the 0.6B shape's pool on an H100
-
-
-class ReplayTimer:
-    """Wraps the device lane's whole-step graphs: CUDA events around each replay, read once the step is back."""
-
-    def __init__(self, graphs):
-        self.graphs, self.run, self.pending = graphs, graphs.replay, []
-        graphs.replay = self._timed
-
-    def _timed(self, *args, **kwargs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        logits = self.run(*args, **kwargs)
-        end.record()
-        self.pending.append((start, end))
-        return logits
-
-    def take_ms(self) -> list[float]:
-        times = [start.elapsed_time(end) for start, end in self.pending]
-        self.pending = []
-        return times
-
-    def restore(self) -> None:
-        self.graphs.replay = self.run
 
 
 def step_case(llm, timer: ReplayTimer, batch: int, context: int, steps: int, kv_bytes: int, weights: int,

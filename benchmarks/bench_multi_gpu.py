@@ -80,28 +80,92 @@ def entry_pd(cache: str, models: list[str]) -> dict:
     return {"runs": runs, "ratios": _ratios(runs, "pd", "one_gpu")}
 
 
-def entry_tp(cache: str) -> dict:
-    """TP=2 against TP=1 on the 8B shape, decode-heavy; auto at a budget that holds ~0.4 of the batch's KV."""
+def entry_tp(cache: str, sizes: list[int]) -> dict:
+    """TP=N against TP=1 on the 8B shape, decode-heavy; auto at a budget that holds ~0.4 of the batch's KV (per GPU:
+    each rank's pool holds its share of every block)."""
     spec = next(s for s in PROFILES["full"].b if s.name == "dh" and s.model == "qwen3-8b")
     path = model_dir(spec.model, cache)
-    modes = {"tp1": dict(device="cuda:0"), "tp2": dict(device="cuda:0", tensor_parallel_size=2)}
+    modes = {"tp1": dict(device="cuda:0"), **{f"tp{n}": dict(device="cuda:0", tensor_parallel_size=n) for n in sizes}}
     total = spec.num_seqs * -(-(spec.prompt_len + spec.output_len) // BLOCK_SIZE)
     runs = _budget_runs(path, spec, total, modes, placements=("gpu",))  # the whole batch on the device
     runs += _budget_runs(path, spec, QWEN3_8B_ON_24_GIB, modes, placements=("gpu", "auto"))
-    return {"runs": runs, "ratios": _ratios(runs, "tp2", "tp1")}
+    ratios = {key: value for n in sizes for key, value in _ratios(runs, f"tp{n}", "tp1").items()}
+    ratios.update({f"auto/gpu:tp{n}@{QWEN3_8B_ON_24_GIB}": _placement_ratio(runs, f"tp{n}") for n in sizes})
+    return {"runs": runs, "ratios": ratios}
 
 
-def entry_greedy() -> dict:
-    """Greedy tokens of PD and TP=2 equal the single-GPU engine's, for each tiny architecture, float32."""
+def _placement_ratio(runs: list[dict], mode: str) -> float | None:
+    """auto's tok/s over gpu's at the 24 GiB card's budget, in one mode."""
+    rate = {r["placement"]: r.get("output_tok_per_s") for r in runs
+            if r["mode"] == mode and r["budget_blocks"] == QWEN3_8B_ON_24_GIB}
+    return rate["auto"] / rate["gpu"] if rate.get("auto") and rate.get("gpu") else None
+
+
+def entry_tp_steps(cache: str, sizes: list[int], batches=(1, 16, 64), context: int = 1024, steps: int = 30) -> dict:
+    """A decode step's wall time against its graph's GPU time on every rank (bench_engine_step's ratio), 8B shape,
+    "gpu", at TP=1 and each of `sizes`: rank 0's from its own timer, the workers' from their step times
+    (offload_engine/distributed/step_times.py): the period between their queued steps, and their replays."""
+    from benchmarks.bench_engine_step import step_case
+    from benchmarks.engine_run import weight_bytes
+    from offload_engine import LLM
+    from offload_engine.distributed.step_times import ENV
+    from offload_engine.engine.graphs.replay_timer import ReplayTimer
+
+    path = model_dir("qwen3-8b", cache)
+    rows = []
+    for tp in [1, *sizes]:
+        with tempfile.TemporaryDirectory() as folder:
+            os.environ[ENV] = folder
+            try:
+                with LLM(path, kv_placement="gpu", tensor_parallel_size=tp, max_num_seqs=max(batches),
+                         max_model_len=context + 2 * steps + 32, num_gpu_blocks=4096) as llm:
+                    timer = ReplayTimer(llm.engine.runner.decode_graphs["device"])
+                    kv_bytes, weights = llm.model_config.kv_bytes_per_token(llm.dtype), weight_bytes(llm)
+                    cases = [step_case(llm, timer, b, context, steps, kv_bytes, weights, 1.0, seed=b, modes=(True,))
+                             for b in batches]
+            finally:
+                del os.environ[ENV]
+            workers = [json.load(open(os.path.join(folder, f"rank{r}.json")))["steps"] for r in range(1, tp)]
+        for case in cases:
+            ranks = [{"rank": 0, "wall_ms": case["wall_ms"], "gpu_ms": case["gpu_ms"],
+                      "wall_over_gpu": case["wall_over_gpu"]}]
+            ranks += [dict(rank=r, **_worker_ratio(w, case["batch"], steps)) for r, w in enumerate(workers, 1)]
+            gpus = [r["gpu_ms"] for r in ranks]
+            worst = max(r["wall_over_gpu"] for r in ranks)
+            rows.append({"tp": tp, "batch": case["batch"], "context": context, "ranks": ranks,
+                         "gpu_skew": max(gpus) / min(gpus), "worst_wall_over_gpu": worst})
+            print(f"  tp{tp} batch {case['batch']}: " + ", ".join(
+                f"rank {r['rank']} {r['wall_ms']:.2f}/{r['gpu_ms']:.2f} ms" for r in ranks), flush=True)
+    one = {row["batch"]: row["ranks"][0]["wall_ms"] for row in rows if row["tp"] == 1}
+    speedups = {f"tp{row['tp']}/tp1@{row['batch']}": one[row["batch"]] / row["ranks"][0]["wall_ms"]
+                for row in rows if row["tp"] > 1}
+    return {"rows": rows, "step_speedup": speedups}
+
+
+def _worker_ratio(steps: list[dict], batch: int, count: int) -> dict:
+    """A worker's last `count` steps of `batch` rows: the median period between its queued steps over its median
+    replay, and how long rank 0's call took it from arrival to queued."""
+    import statistics
+
+    mine = [s for s in steps if s["rows"] == batch][-count:]
+    periods = [b["queued"] - a["queued"] for a, b in zip(mine, mine[1:])]
+    gpu = statistics.median(s["gpu_ms"] for s in mine if s["gpu_ms"] is not None)
+    wall = statistics.median(periods) * 1e3
+    return {"wall_ms": wall, "gpu_ms": gpu, "wall_over_gpu": wall / gpu,
+            "busy_ms": statistics.median(s["queued"] - s["received"] for s in mine) * 1e3}
+
+
+def entry_greedy(sizes=(2,)) -> dict:
+    """Greedy tokens of PD and TP=N equal the single-GPU engine's, for each tiny architecture, float32."""
     from offload_engine import LLM, SamplingParams
     from offload_engine.tiny_model import build_tiny_model
 
     shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=512)
+                 num_key_value_heads=max(2, *sizes), head_dim=16, vocab_size=256, max_position_embeddings=512)
     prompts = random_prompts([1, 16, 33, 47, 100], 256, seed=5)
     params = SamplingParams(temperature=0, max_tokens=24)
     modes = {"one_gpu": dict(device="cuda:1"), "pd": dict(device="cuda:1", prefill_device="cuda:0"),
-             "tp2": dict(device="cuda:0", tensor_parallel_size=2)}
+             **{f"tp{n}": dict(device="cuda:0", tensor_parallel_size=n) for n in sizes}}
     results = {}
     with tempfile.TemporaryDirectory() as root:
         for seed, arch in enumerate(("qwen3", "llama", "qwen2")):
@@ -120,21 +184,26 @@ def entry_greedy() -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--entries", nargs="+", choices=("greedy", "pd", "tp"), default=["greedy", "pd", "tp"])
+    parser.add_argument("--entries", nargs="+", choices=("greedy", "pd", "tp", "tp_steps"),
+                        default=["greedy", "pd", "tp", "tp_steps"])
+    parser.add_argument("--tp-sizes", nargs="+", type=int, default=None,
+                        help="tensor_parallel_size values besides 1 (default: 2, and 4 where four GPUs are seen)")
     parser.add_argument("--pd-models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
     parser.add_argument("--out-dir", default="benchmarks/results/nvidia-h200-x2")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "offload-engine-models"))
     args = parser.parse_args()
     if torch.cuda.device_count() < 2:
         raise SystemExit(f"bench_multi_gpu needs two GPUs; torch sees {torch.cuda.device_count()}")
+    sizes = args.tp_sizes or ([2, 4] if torch.cuda.device_count() >= 4 else [2])
     os.makedirs(args.out_dir, exist_ok=True)
     out = os.path.join(args.out_dir, "multi_gpu.json")
     found = json.load(open(out)) if os.path.isfile(out) else {}
     found["device"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
     for entry in args.entries:
         print(f"[{entry}]", flush=True)
-        found[entry] = {"greedy": entry_greedy, "pd": lambda: entry_pd(args.cache, args.pd_models),
-                        "tp": lambda: entry_tp(args.cache)}[entry]()
+        found[entry] = {"greedy": lambda: entry_greedy(sizes), "pd": lambda: entry_pd(args.cache, args.pd_models),
+                        "tp": lambda: entry_tp(args.cache, sizes),
+                        "tp_steps": lambda: entry_tp_steps(args.cache, sizes)}[entry]()
         with open(out, "w") as f:  # after each entry: a later one that runs out of time keeps the earlier
             json.dump(found, f, indent=1)
         print(json.dumps(found[entry].get("ratios", found[entry].get("equal")), indent=1), flush=True)

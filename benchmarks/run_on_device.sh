@@ -4,7 +4,7 @@
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
-#   flash-attn-install, flash-attn, flash-attn-bench, multi-gpu, multi-gpu-tp
+#   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, multi-gpu, multi-gpu-tp, multi-gpu-steps
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -158,14 +158,22 @@ case "${1:-check}" in
     make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
     all=$(nvidia-smi -L | wc -l); gpus=${SHARD_GPUS:-$all}; per=${SHARDS_PER_GPU:-1}; shards=$((gpus * per))
     cores=$(( $(nproc) / all / per ))
+    # Tests of several GPUs (tensor parallelism, prefill/decode separation) get a shard of their own that sees two
+    # GPUs (shared with the first shards) where the host has them; the rest are dealt out by size.
     files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_" | xargs wc -c | sort -rn | awk '$2!="total"{print $2}')
+    [ "$all" -ge 2 ] && files=$(echo "$files" | grep -v -e tests/distributed/ -e tests/engine/disagg/)
     i=0; for f in $files; do echo "$f" >> "$OUT/shard_$((i % shards)).txt"; i=$((i + 1)); done
+    if [ "$all" -ge 2 ]; then
+      ls tests/distributed/test_*.py tests/engine/disagg/test_*.py > "$OUT/shard_$shards.txt"
+      CUDA_VISIBLE_DEVICES=0,1 NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda timeout ${SHARD_LIMIT:-560} \
+        .venv/bin/python -m pytest -q -rs --durations=5 $(cat "$OUT/shard_$shards.txt") > "$OUT/gpu_tests_shard_$shards.txt" 2>&1 &
+    fi
     for g in $(seq 0 $((shards - 1))); do
       CUDA_VISIBLE_DEVICES=$((g % gpus)) NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda \
         taskset -c $((g * cores))-$(((g + 1) * cores - 1)) timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -q -rs \
         --durations=5 $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
     done
-    wait; gpus=$shards
+    wait; gpus=$shards; [ "$all" -ge 2 ] && gpus=$((shards + 1))
     { echo "# make test-gpu in $gpus shards ($per per GPU), $(date -u '+%F %H:%M') UTC, commit ${BENCH_COMMIT:-?}, backend ${OFFLOAD_ENGINE_ATTENTION_BACKEND:-auto}, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
       for g in $(seq 0 $((gpus - 1))); do echo "## shard $g: $(tr '\n' ' ' < "$OUT/shard_$g.txt")"; cat "$OUT/gpu_tests_shard_$g.txt"; done
     } > "$OUT/${GPU_TESTS:-gpu_tests}.txt"; grep -h "passed\|failed" "$OUT"/gpu_tests_shard_*.txt; rm -f "$OUT"/shard_*.txt "$OUT"/gpu_tests_shard_*.txt
@@ -219,8 +227,12 @@ case "${1:-check}" in
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
     step multi_gpu_pd 450 python3 -m benchmarks.bench_multi_gpu --entries pd --out-dir "$OUT"
     ;;
-  multi-gpu-tp)
+  multi-gpu-tp)  # TP=2 (and 4 on four GPUs) against one GPU, end to end
     step multi_gpu_tp 570 python3 -m benchmarks.bench_multi_gpu --entries tp --out-dir "$OUT"
+    ;;
+  multi-gpu-steps)  # a TP decode step's wall against its graph's GPU time on every rank, then greedy agreement
+    step multi_gpu_tp_steps 400 python3 -m benchmarks.bench_multi_gpu --entries tp_steps --out-dir "$OUT"
+    step multi_gpu_greedy 150 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
     ;;
   gpu-bench)
     step gpu_attention 300 python3 benchmarks/bench_gpu_attention.py --out-dir "$OUT"

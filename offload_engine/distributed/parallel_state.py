@@ -136,3 +136,9 @@ def smallest(value: int, device: torch.device) -> int:
     tensor = torch.tensor([value], dtype=torch.int64, device=device)
     dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=_group())
     return int(tensor.item())
+
+
+def all_agree(flag: bool, device: torch.device) -> bool:
+    """True on every rank when `flag` is true on every rank: a choice that decides which collectives a rank runs next
+    (a timing loop's exit, which graphs to capture) must come out the same everywhere, or the ranks deadlock."""
+    return smallest(int(bool(flag)), device) == 1

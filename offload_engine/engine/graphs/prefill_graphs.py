@@ -2,6 +2,7 @@
 (docs/design.md, "CUDA graphs"; why: docs/decisions/prefill-graphs.md). The attention kernel's grid is a tile map
 sized for the bucket; padding tokens get slot -1 and no tile, so they touch no KV. Logits are computed eagerly.
 """
+import functools
 import time
 
 import numpy as np
@@ -31,13 +32,15 @@ def _spin_cycles_per_second(device: torch.device) -> float:
 
 class PrefillGraphs:
     def __init__(self, model, max_tokens: int, max_rows: int, max_blocks_per_seq: int, dtype: torch.dtype,
-                 device: torch.device, capture_stream=None, paying_tokens: int | None = None):
+                 device: torch.device, capture_stream=None, paying_tokens: int | None = None, agree=None):
         """max_tokens: the largest bucket; max_rows: rows a step may have; capture_stream None: no graphs are
         captured, and `run` goes through the same static tensors eagerly (CPU tests of everything but capture).
-        paying_tokens: the largest bucket worth a graph, as the memory profile measured it (None: measured here)."""
+        paying_tokens: the largest bucket worth a graph, as the memory profile measured it (None: measured here).
+        agree(flag): true where every rank's flag is (tensor parallelism): the timing loops below run forwards, whose
+        collectives pair only if every rank leaves each loop at the same turn."""
         from kernels.paged_prefill import query_tile_rows
 
-        self.model, self.device = model, device
+        self.model, self.device, self.agree = model, device, agree or (lambda flag: flag)
         self.buckets = token_buckets(max_tokens)
         largest = self.buckets[-1]
         self.max_rows, self.max_blocks_per_seq = min(max_rows, largest), max_blocks_per_seq
@@ -96,7 +99,7 @@ class PrefillGraphs:
         for size in self.buckets:
             self._forward(size)  # compiles what this size needs, outside the timing
             self.gpu_seconds[size] = min(self._gpu_seconds(size) for _ in range(2))
-            if self.gpu_seconds[size] >= self.launch_seconds:
+            if not self.agree(self.gpu_seconds[size] < self.launch_seconds):
                 break
             largest = size
         return largest
@@ -122,7 +125,7 @@ class PrefillGraphs:
             end.record()
             held = not start.query()  # the GPU was still spinning when the last launch was queued
             end.synchronize()
-            if held:
+            if self.agree(held):
                 break
             cycles *= 4
         return start.elapsed_time(end) / 1e3  # unheld after four tries: launch gaps included, an overestimate
@@ -166,12 +169,11 @@ class PrefillGraphs:
 
 
 def prefill_graph_tokens(runner) -> int:
-    """The largest prefill step that may replay a graph on this runner; 0 off CUDA, eager, tensor-parallel, and
-    without Triton's tiled prefill kernel (the torch backend's takes its loop from the step). Graph steps attend on
-    that kernel whatever serves eager prefill."""
+    """The largest prefill step that may replay a graph on this runner; 0 off CUDA, eager, and without Triton's
+    tiled prefill kernel (the torch backend's takes its loop from the step). Graph steps attend on that kernel
+    whatever serves eager prefill."""
     cfg = runner.cfg
-    if (runner.device.type != "cuda" or cfg.enforce_eager or runner.tp.size > 1
-            or runner.backend.tiled_prefill_attention is None):
+    if runner.device.type != "cuda" or cfg.enforce_eager or runner.backend.tiled_prefill_attention is None:
         return 0
     return min(cfg.prefill_graph_tokens, cfg.max_num_batched_tokens)
 
@@ -181,7 +183,7 @@ def paying_prefill_tokens(runner) -> int:
     profile or the capture, whichever asks first. Needs a device pool bound; no KV is read or written."""
     if runner.paying_prefill_tokens is None:
         tokens = prefill_graph_tokens(runner)
-        runner.paying_prefill_tokens = _graphs(runner, tokens).largest_paying_bucket() if tokens else 0
+        runner.paying_prefill_tokens = runner._agreed(_graphs(runner, tokens).largest_paying_bucket() if tokens else 0)
     return runner.paying_prefill_tokens
 
 
@@ -197,6 +199,11 @@ def capture_prefill_graphs(runner) -> PrefillGraphs | None:
 
 
 def _graphs(runner, tokens: int, capture_stream=None, paying_tokens: int | None = None) -> PrefillGraphs:
+    agree = None
+    if runner.tp.size > 1:
+        from offload_engine.distributed import parallel_state
+
+        agree = functools.partial(parallel_state.all_agree, device=runner.device)
     return PrefillGraphs(runner.model, tokens, runner.cfg.max_num_seqs,
                          -(-runner.max_model_len // runner.cfg.block_size), runner.dtype, runner.device,
-                         capture_stream, paying_tokens)
+                         capture_stream, paying_tokens, agree)

@@ -169,15 +169,15 @@ class ModelRunner:
             layer.copy_stream = copy_stream
 
     def _capture_decode_graphs(self) -> dict:
-        """Decode graphs per lane: "device" and, with a host tier, "host" (HostStepGraphs)."""
-        # Tensor parallelism runs eagerly: docs/decisions/device-lane.md, "Tensor parallelism runs eagerly".
-        if self.device.type != "cuda" or self.cfg.enforce_eager or self.tp.size > 1:
+        """Decode graphs per lane: "device" and, with a host tier, "host" (HostStepGraphs); under tensor parallelism
+        the same on every rank, each lane's collectives over its group (decisions/multi-gpu.md, "CUDA graphs")."""
+        if self.device.type != "cuda" or self.cfg.enforce_eager:
             return {}
         from offload_engine.engine.graphs.cuda_graphs import DecodeGraphs
 
         # Whole-step graphs need a graph-safe backend: the torch path gathers every table column, which would not fit.
         cfg = self.model_cfg
-        whole = self.backend.decode_name != "torch"
+        whole = bool(self._agreed(int(self.backend.decode_name != "torch")))
         graphs = {"device": DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim, self.dtype,
                                          self.device, engine_stream(self.device, "capture-device"),
                                          inputs=self.device_decode.batch if whole else None)}
@@ -189,10 +189,12 @@ class ModelRunner:
             # Only engines where a sequence can outgrow the device pool (and be split) capture split-row graphs.
             splits = (self.cfg.kv_placement == "auto" and whole
                       and -(-self.max_model_len // self.cfg.block_size) > self.num_gpu_blocks)
-            graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
-                                            self.host_pool, self.executor, engine_stream(self.device, "capture-host"),
-                                            device_blocks_per_seq=self.num_gpu_blocks if splits else None,
-                                            stream_staging=self._stream_staging() if whole else None)
+            stream = engine_stream(self.device, "capture-host")
+            with parallel_state.lane("host"):  # captured with the host lane's group, which its replays use
+                graphs["host"] = HostStepGraphs(self.model, self.cfg.max_num_seqs, self.dtype, self.device,
+                                                self.host_pool, self.executor, stream,
+                                                device_blocks_per_seq=self.num_gpu_blocks if splits else None,
+                                                stream_staging=self._stream_staging() if whole else None)
         return graphs
 
     def _stream_staging(self):
