@@ -6,7 +6,7 @@ import torch.distributed as dist
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.launch import launched_rank
 from offload_engine.distributed.parallel_state import Partition
-from offload_engine.distributed.wire import Call, pack_moves, pack_seqs
+from offload_engine.distributed.wire import Call, SequenceSender
 from offload_engine.distributed.workers import STOP_TIMEOUT, WorkerError, WorkerGroup
 from offload_engine.engine.runner.model_runner import ModelRunner
 
@@ -25,6 +25,7 @@ class TensorParallelRunner:
         self.broken: BaseException | None = None  # set by the first failure: the ranks may be out of step
         self.closed = False
         self.finished = {lane: 0 for lane in parallel_state.LANES}  # calls rank 0 has finished, per lane
+        self.sender = SequenceSender()  # what each worker's mirror holds of every sequence
         try:
             self.workers = WorkerGroup(size, dict(model_dir=model_dir, cfg=cfg, dtype=dtype,
                                                   max_model_len=max_model_len), launched_rank(size))
@@ -60,31 +61,37 @@ class TensorParallelRunner:
         """LLMEngine.abort: the device lane's step in flight is dropped on every rank (after a failure, rank 0's)."""
         if self.broken is not None:
             return self.runner.forget_device_step()
-        self._mirror("device", Call("forget_device_step", (), self.finished["host"]), self.runner.forget_device_step)
+        self._mirror("device", self._call("forget_device_step", "device"), self.runner.forget_device_step)
 
     def _step(self, method: str, lane: str, seqs):
-        return self._mirror(lane, Call(method, (pack_seqs(seqs),), self.finished[_other(lane)]),
+        return self._mirror(lane, self._call(method, lane, self.sender.pack_seqs(seqs)),
                             lambda: getattr(self.runner, method)(seqs))
 
     def promote(self, moves):
-        return self._mirror("device", Call("promote", (pack_moves(moves),), self.finished["host"]),
+        return self._mirror("device", self._call("promote", "device", self.sender.pack_moves(moves)),
                             lambda: self.runner.promote(moves))
 
     def demote(self, moves) -> None:
-        return self._mirror("device", Call("demote", (pack_moves(moves),), self.finished["host"]),
+        return self._mirror("device", self._call("demote", "device", self.sender.pack_moves(moves)),
                             lambda: self.runner.demote(moves))
 
     def check_host_writes(self, wait: bool = False) -> None:
         """With wait (the end of a generate call): also every worker's writes, and every worker is heard from."""
-        self._mirror("device", Call("check_host_writes", (wait,), self.finished["host"], reply=wait),
+        self._mirror("device", self._call("check_host_writes", "device", wait, reply=wait),
                      lambda: self.runner.check_host_writes(wait))
 
     def drain_host_work(self) -> None:
         """LLMEngine.abort: every rank's host work is let finish. After a failure, rank 0's alone."""
         if self.broken is not None:
             return self.runner.drain_host_work()
-        self._mirror("device", Call("drain_host_work", (), self.finished["host"], reply=True),
+        self._mirror("device", self._call("drain_host_work", "device", reply=True),
                      self.runner.drain_host_work)
+
+    def _call(self, method: str, lane: str, *args, reply: bool = False) -> Call:
+        """The call for the workers, with the seq_ids rank 0 has dropped. Those are taken before `after` is read: a
+        sequence is collected only once every call that carried it has finished here, so `after` counts them."""
+        gone = self.sender.take_gone()
+        return Call(method, args, self.finished[_other(lane)], reply, gone)
 
     def _mirror(self, lane: str, call: Call, local):
         if self.broken is not None:

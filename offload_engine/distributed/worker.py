@@ -19,6 +19,7 @@ import torch.distributed as dist
 from offload_engine.config import DTYPES, EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition
+from offload_engine.distributed.step_times import StepTimes
 from offload_engine.distributed.wire import SequenceMirror, decode_call
 
 STOP = None  # sent on a lane's channel: no more calls on this lane
@@ -70,8 +71,10 @@ class _Reporter:
 
 
 class _Mirror:
-    def __init__(self, runner):
+    def __init__(self, runner, rank: int):
         self.runner = runner
+        self.step_times = StepTimes.from_env(runner, rank)  # None outside benchmarks
+        self.received = 0.0  # when the call being run reached this rank (perf_counter)
         self.seqs = SequenceMirror()
         self.finished = {lane: 0 for lane in parallel_state.LANES}
         self.changed = threading.Condition()
@@ -83,9 +86,12 @@ class _Mirror:
         try:
             with parallel_state.lane(lane):
                 while (call := decode_call(conn.recv_bytes())) is not STOP:
-                    doing = f"a {lane}-lane call ({call.method})"
+                    doing, received = f"a {lane}-lane call ({call.method})", time.perf_counter()
                     with self.changed:
                         self.changed.wait_for(lambda: self.finished[other] >= call.after)
+                    self.seqs.forget(call.gone)  # once `after` is met: no call still to run here carries them
+                    if lane == "device":
+                        self.received = received
                     getattr(self, call.method)(*call.args)
                     with self.changed:
                         self.finished[lane] += 1
@@ -104,9 +110,12 @@ class _Mirror:
         self.runner.decode_host(self.seqs.unpack_seqs(seqs))
 
     def launch_device_decode(self, seqs) -> None:
+        replays = self.step_times.replays() if self.step_times else 0
         seqs = self.seqs.unpack_seqs(seqs)
         self._after_own_promotions(seqs)
         self.runner.launch_device_decode(seqs)
+        if self.step_times:
+            self.step_times.note(len(seqs), self.received, replays)
 
     def promote(self, moves) -> None:
         moves = self.seqs.unpack_moves(moves)
@@ -179,7 +188,7 @@ def _serve(rank: int, size: int, spec: WorkerSpec, device: torch.device, lanes: 
                                  spec.dtype, spec.max_model_len, tp=Partition(rank, size))
     except BaseException:  # noqa: BLE001
         reporter.fail("start-up")
-    mirror = _Mirror(runner)
+    mirror = _Mirror(runner, rank)
     threads = [threading.Thread(target=mirror.serve, args=(lane, conn, reporter), name=f"tp{rank}-{lane}-lane")
                for lane, conn in lanes.items()]
     for thread in threads:
@@ -187,6 +196,8 @@ def _serve(rank: int, size: int, spec: WorkerSpec, device: torch.device, lanes: 
     for thread in threads:
         thread.join()
     try:
+        if mirror.step_times:
+            mirror.step_times.write()
         runner.close()
         reporter.send("stopped")  # every collective of this rank is done: rank 0 may leave the groups
         parallel_state.destroy()

@@ -183,7 +183,8 @@ def paying_prefill_tokens(runner) -> int:
     profile or the capture, whichever asks first. Needs a device pool bound; no KV is read or written."""
     if runner.paying_prefill_tokens is None:
         tokens = prefill_graph_tokens(runner)
-        runner.paying_prefill_tokens = runner._agreed(_graphs(runner, tokens).largest_paying_bucket() if tokens else 0)
+        paying = _graphs(runner, tokens).largest_paying_bucket() if tokens else 0
+        runner.paying_prefill_tokens = runner.agreed(paying)
     return runner.paying_prefill_tokens
 
 

@@ -89,7 +89,7 @@ class ModelRunner:
                                               self.cfg.block_size, self.device)
         self.startup_seconds["weights"] = time.perf_counter() - began
         self.stream_capacity_blocks = stream_capacity_blocks(self)
-        self.num_gpu_blocks = self._agreed(size_device_pool(self))
+        self.num_gpu_blocks = self.agreed(size_device_pool(self))
         self.device_stacked = allocate_device_pool(self.model_cfg, self.num_gpu_blocks, self.cfg.block_size,
                                                    self.dtype, self.device)
         self.device_pool = layer_views(self.device_stacked)
@@ -114,11 +114,11 @@ class ModelRunner:
         if self.executor is not None:
             self.startup_seconds["numba_compile"] = self.executor.warmup()
         if self.host_pool is not None:
-            self.segment_tokens = self._agreed(self.cfg.prefill_segment_tokens or segment_capacity(
+            self.segment_tokens = self.agreed(self.cfg.prefill_segment_tokens or segment_capacity(
                 self.model_cfg, self.dtype, self.device, self.cfg.max_num_batched_tokens, self.max_model_len))
         self.startup_seconds["total"] = time.perf_counter() - began
 
-    def _agreed(self, value: int) -> int:
+    def agreed(self, value: int) -> int:
         return value if self.tp.size == 1 else parallel_state.smallest(value, self.device)
 
     def block_bytes(self, block_size: int) -> int:
@@ -137,7 +137,7 @@ class ModelRunner:
         size = self.cfg.cpu_block_size
         # Counted in the whole model's bytes: every rank holds the same blocks, each with its share of the heads,
         # so cpu_kv_cache_gb and the cap on spare memory are for all ranks together, as with one.
-        blocks = self._agreed(host_pool_blocks(self.block_bytes(size) * self.tp.size, self.cfg.num_cpu_blocks,
+        blocks = self.agreed(host_pool_blocks(self.block_bytes(size) * self.tp.size, self.cfg.num_cpu_blocks,
                                                self.cfg.cpu_kv_cache_gb, self.wanted_blocks(size)))
         cfg = self.model_cfg
         # numba compiles this dtype's kernels on the executor's thread now, joined once the weights are in.
@@ -177,7 +177,7 @@ class ModelRunner:
 
         # Whole-step graphs need a graph-safe backend: the torch path gathers every table column, which would not fit.
         cfg = self.model_cfg
-        whole = bool(self._agreed(int(self.backend.decode_name != "torch")))
+        whole = bool(self.agreed(int(self.backend.decode_name != "torch")))
         graphs = {"device": DecodeGraphs(self.model, self.cfg.max_num_seqs, cfg.num_heads, cfg.head_dim, self.dtype,
                                          self.device, engine_stream(self.device, "capture-device"),
                                          inputs=self.device_decode.batch if whole else None)}
