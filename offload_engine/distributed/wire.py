@@ -11,6 +11,7 @@ import threading
 import weakref
 from enum import Enum
 
+from offload_engine.engine.sched.block_manager import DevicePartGrowth
 from offload_engine.engine.sequence import BlockLocation, Sequence, SequenceStatus
 from offload_engine.sampling_params import SamplingParams
 
@@ -98,10 +99,11 @@ class SequenceSender:
     def pack_seqs(self, seqs: list[Sequence]) -> list[list]:
         return self._pack_all(seqs)
 
-    def pack_moves(self, moves: list[tuple[Sequence, list[int]]]) -> list[tuple]:
-        """A promotion's or demotion's (sequence, its blocks in the tier it leaves) pairs."""
-        rows = self._pack_all([seq for seq, _ in moves])
-        return [(row, list(blocks)) for row, (_, blocks) in zip(rows, moves)]
+    def pack_moves(self, moves: list[tuple[Sequence | DevicePartGrowth, list[int]]]) -> list[tuple]:
+        """A promotion's or demotion's (sequence, its blocks in the tier it leaves) pairs; a split row's growth
+        (DevicePartGrowth) crosses as its sequence's row with the growth's tokens and new device blocks."""
+        rows = self._pack_all([getattr(item, "seq", item) for item, _ in moves])
+        return [(row, list(blocks), _growth(item)) for row, (item, blocks) in zip(rows, moves)]
 
     def take_gone(self) -> tuple[int, ...]:
         """The seq_ids collected since the last call, forgotten here too. Take them before reading a call's
@@ -158,6 +160,10 @@ def _table_delta(table: list[int], last: list[int] | None, sent: int) -> list[in
     return [NEW_TABLE, *table]
 
 
+def _growth(item) -> list | None:
+    return [item.num_computed_tokens, list(item.block_table)] if isinstance(item, DevicePartGrowth) else None
+
+
 class SequenceMirror:
     """A worker's copies of rank 0's sequences, by seq_id, each one object updated in place (the input batch keeps
     its rows' objects and their tables' lists). Held until rank 0 says the sequence is gone. Both lanes' threads
@@ -170,8 +176,12 @@ class SequenceMirror:
     def unpack_seqs(self, packed: list[list]) -> list[Sequence]:
         return [self._unpack(row) for row in packed]
 
-    def unpack_moves(self, packed: list[tuple]) -> list[tuple[Sequence, list[int]]]:
-        return [(self._unpack(row), blocks) for row, blocks in packed]
+    def unpack_moves(self, packed: list[tuple]) -> list[tuple[Sequence | DevicePartGrowth, list[int]]]:
+        moves = []
+        for row, blocks, growth in packed:
+            seq = self._unpack(row)
+            moves.append((seq if growth is None else DevicePartGrowth(seq, *growth), blocks))
+        return moves
 
     def forget(self, seq_ids) -> None:
         with self._lock:

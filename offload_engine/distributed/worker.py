@@ -121,7 +121,7 @@ class _Mirror:
         moves = self.seqs.unpack_moves(moves)
         landed = self.runner.promote(moves)
         if landed is not None:
-            self.promoting.append((landed, {seq.seq_id for seq, _ in moves}))
+            self.promoting.append((landed, {getattr(item, "seq", item).seq_id for item, _ in moves}))
 
     def demote(self, moves) -> None:
         self.runner.demote(self.seqs.unpack_moves(moves))

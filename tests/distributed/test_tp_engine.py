@@ -78,3 +78,17 @@ def test_sampling_on_two_ranks_equals_one_rank(qwen3_dir):
                  tensor_parallel_size=ranks) as llm:
             tokens[ranks] = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
     assert tokens[2] == tokens[1]
+
+
+def test_a_split_rows_device_part_grows_on_two_ranks(tiny_models):
+    """tests/engine/test_split_sequences.py's growth on two ranks: a 20-token request ends early, and the split row's
+    device part takes over one of its host blocks on every rank (the growth crosses the wire as a move)."""
+    model_dir = tiny_models["llama"]
+    prompts = random_prompts([20, 150], 256, seed=96)
+    params = [SamplingParams(temperature=0, max_tokens=4), SamplingParams(temperature=0, max_tokens=40)]
+    with LLM(model_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=8, num_cpu_blocks=64,
+             cpu_block_size=32, max_num_batched_tokens=40, tensor_parallel_size=2) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert llm.engine.scheduler.num_split_growths >= 1
+    assert [o.kv_location for o in outputs] == ["gpu", "split"]
+    assert [o.token_ids for o in outputs] == hf_greedy(model_dir, prompts[:1], 4) + hf_greedy(model_dir, prompts[1:], 40)
