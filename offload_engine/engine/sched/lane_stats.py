@@ -142,7 +142,10 @@ class LaneStats:
         """A prefill step of `tokens` prompt tokens, `host_tokens` of them host-tier, took `seconds`."""
         if tokens <= 0:
             return
-        if not host_tokens:
+        if self.device_prefill_elsewhere:  # device-tier prompts cost this device nothing: a host-tier one, all of it
+            if host_tokens:
+                self._host_prefill_extra.add(max(0.0, seconds) / host_tokens)
+        elif not host_tokens:
             self._device_prefill.add(tokens, seconds)
         elif self._device_prefill.count:
             self._host_prefill_extra.add(max(0.0, seconds - self._device_prefill.seconds(tokens)) / host_tokens)
@@ -174,16 +177,15 @@ class LaneStats:
 
     @property
     def host_prefill_seconds_per_token(self) -> float | None:
-        """What a host-tier prompt token's prefill costs beyond a device-tier one's (None until measured; 0 where
-        device-tier prompts prefill on another device, with nothing here to compare with)."""
-        if self.device_prefill_elsewhere:
-            return 0.0
+        """What a host-tier prompt token's prefill costs this device beyond a device-tier one's (None until
+        measured). Where device-tier prompts prefill on another device (prefill_device) they cost this one nothing,
+        so a host-tier token costs its whole prefill."""
         return self._host_prefill_extra.value
 
     @property
     def host_prefills_measured(self) -> int:
-        """Samples behind host_prefill_seconds_per_token (all of them, where there is nothing to measure)."""
-        return 1 << 30 if self.device_prefill_elsewhere else self._host_prefill_extra.count
+        """Samples behind host_prefill_seconds_per_token."""
+        return self._host_prefill_extra.count
 
     def host_step_seconds(self, kv_bytes: int) -> float | None:
         """Predicted host step time for rows holding kv_bytes of KV, or None before a host step was measured."""

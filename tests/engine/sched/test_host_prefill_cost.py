@@ -50,11 +50,20 @@ def test_the_extra_is_measured_against_device_tier_steps_of_its_size_as_a_median
     assert stats.host_prefills_measured == stats.snapshot()["host_prefills_measured"] == 3
     stats.prefill_done(0, 0, 1.0)  # an empty step changes nothing
     assert stats.host_prefill_seconds_per_token == pytest.approx(10e-6)
-    # Under prefill/decode separation device-tier prompts prefill elsewhere: nothing to compare with here.
+
+
+def test_under_prefill_decode_separation_a_host_tier_prompt_costs_its_whole_prefill():
+    """Device-tier prompts prefill on the prefill device and cost this one nothing, so a host-tier prompt's cost to
+    this device is its whole prefill step, not what it adds to a device-tier one's (which read 0 and let 22 of 64
+    requests onto the host tier under PD where one GPU admitted 1: nvidia-h200-x2/multi_gpu.json)."""
     elsewhere = LaneStats(KV_BYTES)
     elsewhere.device_prefill_elsewhere = True
-    assert elsewhere.host_prefill_seconds_per_token == 0.0 and elsewhere.device_prefill_measured
-    assert elsewhere.host_prefills_measured >= MIN_PREFILL_SAMPLES
+    assert elsewhere.device_prefill_measured and elsewhere.host_prefill_seconds_per_token is None
+    assert elsewhere.host_prefills_measured == 0  # one host-tier prompt at a time until measured
+    for _ in range(MIN_PREFILL_SAMPLES):
+        elsewhere.prefill_done(2048, 2048, 0.020 + 5e-6 * 2048)
+    assert elsewhere.host_prefill_seconds_per_token == pytest.approx(0.020 / 2048 + 5e-6)
+    assert elsewhere.host_prefills_measured == MIN_PREFILL_SAMPLES
 
 
 def test_until_host_tier_prefills_are_measured_one_prompt_prefills_at_a_time_and_only_its_stay_is_checked():
