@@ -51,8 +51,11 @@ class TensorParallelRunner:
     def prefill(self, seqs):
         return self._step("prefill", "device", seqs)
 
-    def decode_host(self, seqs):
-        return self._step("decode_host", "host", seqs)
+    def decode_host(self, seqs, streamed: list[int] | None = None):
+        """streamed: per row, the leading host blocks its step streams (every rank streams its heads' share)."""
+        extra = () if streamed is None else (list(streamed),)
+        return self._mirror("host", self._call("decode_host", "host", self.sender.pack_seqs(seqs), *extra),
+                            lambda: self.runner.decode_host(seqs, streamed))
 
     def launch_device_decode(self, seqs):
         return self._step("launch_device_decode", "device", seqs)

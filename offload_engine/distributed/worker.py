@@ -106,8 +106,8 @@ class _Mirror:
     def prefill(self, seqs) -> None:
         self.runner.prefill(self.seqs.unpack_seqs(seqs))
 
-    def decode_host(self, seqs) -> None:
-        self.runner.decode_host(self.seqs.unpack_seqs(seqs))
+    def decode_host(self, seqs, streamed=None) -> None:
+        self.runner.decode_host(self.seqs.unpack_seqs(seqs), streamed)
 
     def launch_device_decode(self, seqs) -> None:
         replays = self.step_times.replays() if self.step_times else 0

@@ -93,3 +93,18 @@ def test_a_split_rows_device_part_grows_on_two_ranks(tiny_models):
     assert [o.kv_location for o in outputs] == ["gpu", "split"]
     refs = hf_greedy(model_dir, prompts[:1], 4) + hf_greedy(model_dir, prompts[1:], 40)
     assert [o.token_ids for o in outputs] == refs
+
+
+@pytest.mark.parametrize("share", [0.5, 1.0])
+def test_host_steps_stream_a_share_on_two_ranks(tiny_models, share):
+    """Every rank streams its heads' share of the same blocks (the share crosses with the host step's call) and the
+    CPU kernel attends the rest: host rows stay exact."""
+    model_dir = tiny_models["qwen3"]
+    prompts = random_prompts([17, 47, 150], 256, seed=125)
+    with LLM(model_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=64,
+             cpu_block_size=16, max_num_batched_tokens=64, tensor_parallel_size=2) as llm:
+        llm.engine.stream.fixed = share
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=NEW_TOKENS), use_tqdm=False)
+        assert llm.engine.stats.stream_bytes > 0
+    assert {"cpu", "split"} & {o.kv_location for o in outputs}
+    assert [o.token_ids for o in outputs] == hf_greedy(model_dir, prompts, NEW_TOKENS)

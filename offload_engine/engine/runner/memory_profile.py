@@ -31,10 +31,10 @@ def size_device_pool(runner) -> int:
 def stream_capacity_blocks(runner) -> int:
     """Host blocks a host step may stream per layer (docs/design.md, "Streaming host KV"): what stream_staging_gb
     holds, double-buffered, K and V, where the device reads the pinned pool in place; 0 where streaming is off
-    (stream_host_kv=False, no host tier, tensor parallelism). On a CPU device the staging is made per step, and every
+    (stream_host_kv=False, no host tier). On a CPU device the staging is made per step, and every
     host block may stream (tests pin the share; nothing is measured there to choose one)."""
     cfg = runner.cfg
-    if not cfg.stream_host_kv or runner.host_pool is None or runner.tp.size > 1:
+    if not cfg.stream_host_kv or runner.host_pool is None:
         return 0
     if runner.device.type == "cpu":
         return runner.num_cpu_blocks

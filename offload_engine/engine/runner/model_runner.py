@@ -88,7 +88,7 @@ class ModelRunner:
         self.device_decode = DeviceLaneDecode(self.cfg.max_num_seqs, -(-self.max_model_len // self.cfg.block_size),
                                               self.cfg.block_size, self.device)
         self.startup_seconds["weights"] = time.perf_counter() - began
-        self.stream_capacity_blocks = stream_capacity_blocks(self)
+        self.stream_capacity_blocks = self.agreed(stream_capacity_blocks(self))
         self.num_gpu_blocks = self.agreed(size_device_pool(self))
         self.device_stacked = allocate_device_pool(self.model_cfg, self.num_gpu_blocks, self.cfg.block_size,
                                                    self.dtype, self.device)
