@@ -4,7 +4,7 @@
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
-#   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, multi-gpu, multi-gpu-tp, multi-gpu-steps
+#   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -222,6 +222,18 @@ case "${1:-check}" in
         > "$OUT/rounds_$g.log" 2>&1 &
     done
     wait; tail -n 30 "$OUT"/rounds_*.log; rm "$OUT"/rounds_*.log
+    ;;
+  tp-and-backends)  # a host of four GPUs, three groups at once: TP's step ratio per rank and greedy agreement on
+    # GPUs 0-1 (multi-gpu-steps), the engine per attention backend on GPU 2 (0.6B cases) and GPU 3 (8B cases)
+    cores=$(( $(nproc) / 4 ))
+    (CUDA_VISIBLE_DEVICES=0,1 taskset -c 0-$((2 * cores - 1)) bash "$0" multi-gpu-steps > "$OUT/tp_group.log" 2>&1) &
+    for g in 2 3; do
+      cases=$([ $g = 2 ] && echo b-0.6b-gpu,b-0.6b-auto-quarter,long-prompts-0.6b-gpu || echo b-8b-gpu,b-8b-auto-quarter)
+      CUDA_VISIBLE_DEVICES=$g NUMBA_NUM_THREADS=$cores taskset -c $((g * cores))-$(((g + 1) * cores - 1)) timeout 540 \
+        python3 -m benchmarks.bench_backends --cases $cases --rounds $([ $g = 2 ] && echo 3 || echo 1) \
+        --out "$OUT/backends_engine_$g.json" > "$OUT/backends_$g.log" 2>&1 &
+    done
+    wait; tail -n 20 "$OUT"/tp_group.log "$OUT"/backends_*.log; rm -f "$OUT"/*.log
     ;;
   multi-gpu)  # two GPUs (kind nvidia-h200-x2): greedy agreement and PD, then TP in a second call (multi-gpu-tp)
     step multi_gpu_greedy 120 python3 -m benchmarks.bench_multi_gpu --entries greedy --out-dir "$OUT"
