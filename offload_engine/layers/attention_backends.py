@@ -37,8 +37,16 @@ def flash_attn_version(device: torch.device) -> int | None:
     return version
 
 
-def select_backend(name: str, device: torch.device, block_size: int,
-                   dtype: torch.dtype = torch.bfloat16) -> SimpleNamespace:
+def flash_attn_4_head_dim(head_dim: int, device: torch.device) -> bool:
+    """Whether flash-attn 4 runs this head size in 16-bit (its own check, `_validate_head_dims`): multiples of 8 up to
+    256 on Hopper; up to 128, or 256, on later GPUs."""
+    if head_dim % 8 or head_dim < 8:
+        return False
+    return head_dim <= 256 if torch.cuda.get_device_capability(device)[0] == 9 else head_dim <= 128 or head_dim == 256
+
+
+def select_backend(name: str, device: torch.device, block_size: int, dtype: torch.dtype = torch.bfloat16,
+                   head_dim: int = 128) -> SimpleNamespace:
     """Resolves "auto" (per operation on CUDA; torch on the CPU) and checks a forced choice ("flash_attn" is
     "flash-attn", as vLLM users may spell it)."""
     name = "flash-attn" if name == "flash_attn" else name
@@ -48,7 +56,7 @@ def select_backend(name: str, device: torch.device, block_size: int,
         import kernels
 
         if (AUTO_CHOICE["prefill"] == "flash-attn" and dtype in FLASH_ATTN_DTYPES
-                and flash_attn_version(device) == 4):
+                and flash_attn_version(device) == 4 and flash_attn_4_head_dim(head_dim, device)):
             from offload_engine.layers.flash_attn_backend import FlashAttn4
 
             return _by_key_span(kernels, FlashAttn4, AUTO_CHOICE["long_prefill_keys"])
@@ -66,16 +74,19 @@ def select_backend(name: str, device: torch.device, block_size: int,
         if dtype not in FLASH_ATTN_DTYPES:
             raise ValueError(f"attention_backend='flash-attn' runs float16 and bfloat16, not {dtype}: use "
                              "dtype='bfloat16' or attention_backend='triton'")
-        return _flash_attn(device, block_size)
+        return _flash_attn(device, block_size, head_dim)
     raise ValueError(f"unknown attention_backend {name!r}: use 'auto', 'flash-attn', 'triton' or 'torch'")
 
 
-def _flash_attn(device: torch.device, block_size: int) -> SimpleNamespace:
+def _flash_attn(device: torch.device, block_size: int, head_dim: int) -> SimpleNamespace:
     version = flash_attn_version(device)
     if version is None:
         raise ValueError("attention_backend='flash-attn' was forced but no flash-attn runs here (it needs a CUDA "
                          "device; flash-attn 4 a Hopper or later GPU): pip install 'offload-engine[flash-attn]', or "
                          "use 'auto' or 'triton'")
+    if version == 4 and not flash_attn_4_head_dim(head_dim, device):
+        raise ValueError(f"flash-attn 4 does not run heads of {head_dim} on this GPU (multiples of 8 up to 256 on "
+                         "Hopper, up to 128 or 256 later): use attention_backend='triton'")
     if version == 2 and block_size % FLASH_ATTN_2_BLOCK_MULTIPLE:
         raise ValueError(f"flash-attn 2 needs block_size to be a multiple of {FLASH_ATTN_2_BLOCK_MULTIPLE}, got "
                          f"{block_size}: set block_size=256, install flash-attn 4, or use attention_backend='triton'")

@@ -30,7 +30,7 @@ PLACEMENTS = {  # lengths at, before and past the 16-token blocks; "split" prefi
 
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory):
-    """A tiny Qwen3 with heads of 64 (flash-attn 4 compiles for its head sizes, 16 is not among them)."""
+    """A tiny Qwen3 with heads of 64, a size real models have."""
     return build_tiny_model(str(tmp_path_factory.mktemp("fa4") / "qwen3"), "qwen3", seed=5, with_tokenizer=False,
                             **{**PARITY_SHAPE, "head_dim": 64})
 

@@ -117,6 +117,7 @@ def test_auto_decodes_on_triton_and_prefills_long_steps_on_flash_attn(monkeypatc
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(attention_backends, "flash_attn_version", lambda device: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     served = []
     monkeypatch.setattr(kernels, "paged_prefill_attention", lambda *a, **kw: served.append(("triton", kw)))
     monkeypatch.setattr(FlashAttn4, "paged_prefill_attention", staticmethod(lambda *a: served.append(("fa4", {}))))
@@ -150,3 +151,19 @@ def test_a_forced_flash_attn_that_cannot_run_says_what_to_do(monkeypatch):
     assert forced.name == "flash-attn" and forced.tiled_prefill_attention is not None
     with pytest.raises(ValueError, match="float16 and bfloat16.*dtype='bfloat16'"):
         attention_backends.select_backend("flash-attn", torch.device("cuda", 0), 256, torch.float32)
+
+
+def test_head_sizes_flash_attn_4_cannot_run_stay_on_triton(monkeypatch):
+    import kernels
+
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(attention_backends, "flash_attn_version", lambda device: 4)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert attention_backends.select_backend("auto", cuda, 16, torch.bfloat16, 128).flash_attn_prefill is not None
+    for head_dim in (4, 12, 320):  # below 8, not a multiple of 8, past 256
+        auto = attention_backends.select_backend("auto", cuda, 16, torch.bfloat16, head_dim)
+        assert auto.flash_attn_prefill is None and auto.paged_prefill_attention is kernels.paged_prefill_attention
+        with pytest.raises(ValueError, match=f"heads of {head_dim}.*attention_backend='triton'"):
+            attention_backends.select_backend("flash-attn", cuda, 16, torch.bfloat16, head_dim)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))
+    assert attention_backends.select_backend("auto", cuda, 16, torch.bfloat16, 192).flash_attn_prefill is None

@@ -41,8 +41,7 @@ class ModelRunner:
         this as the device lane (parallel_state.lane): start-up makes collectives."""
         self.tp, self.whole_model_cfg = tp, model_cfg
         self.cfg, self.model_cfg, self.dtype = cfg, tp.local_shape(model_cfg), dtype  # model_cfg: this rank's heads
-        self.device = cfg.torch_device
-        self.max_model_len = max_model_len
+        self.device, self.max_model_len = cfg.torch_device, max_model_len
         self.model = self.backend = self.device_pool = self.device_stacked = self.host_pool = self.executor = None
         self.num_gpu_blocks = self.num_cpu_blocks = 0
         self.segment_tokens = 0
@@ -75,7 +74,8 @@ class ModelRunner:
 
     def _start(self, model_dir: str) -> None:
         began = time.perf_counter()
-        self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size, self.dtype)
+        self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size, self.dtype,
+                                      self.model_cfg.head_dim)
         # The host tier first: its numba compile and page-locking run on threads while the weights load.
         self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
         if self.host_pool is not None and self.device.type == "cuda":
