@@ -95,7 +95,7 @@ def _flash_attn(device: torch.device, block_size: int, head_dim: int) -> SimpleN
 
     chosen = implementation(version)
     backend = _backend(chosen, chosen, "flash-attn", "flash-attn", kernels)
-    backend.flash_attn_prefill, backend.prefill_takes_contiguous = chosen.paged_prefill_attention, False
+    backend.flash_attn_prefill = chosen.paged_prefill_attention
     return backend
 
 
