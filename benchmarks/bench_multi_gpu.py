@@ -112,13 +112,15 @@ def entry_tp_steps(cache: str, sizes: list[int], batches=(1, 16, 64), context: i
     from offload_engine.engine.graphs.replay_timer import ReplayTimer
 
     path = model_dir("qwen3-8b", cache)
+    max_len = context + 2 * steps + 32
+    blocks = max(batches) * -(-max_len // BLOCK_SIZE)  # every case's batch whole on the device: no preemption
     rows = []
     for tp in [1, *sizes]:
         with tempfile.TemporaryDirectory() as folder:
             os.environ[ENV] = folder
             try:
                 with LLM(path, kv_placement="gpu", tensor_parallel_size=tp, max_num_seqs=max(batches),
-                         max_model_len=context + 2 * steps + 32, num_gpu_blocks=4096) as llm:
+                         max_model_len=max_len, num_gpu_blocks=blocks, block_size=BLOCK_SIZE) as llm:
                     timer = ReplayTimer(llm.engine.runner.decode_graphs["device"])
                     kv_bytes, weights = llm.model_config.kv_bytes_per_token(llm.dtype), weight_bytes(llm)
                     cases = [step_case(llm, timer, b, context, steps, kv_bytes, weights, 1.0, seed=b, modes=(True,))
