@@ -59,5 +59,6 @@ def test_two_ranks_started_by_torchrun_give_transformers_tokens(qwen3_dir, tmp_p
 def test_a_world_of_another_size_is_a_clear_error(qwen3_dir, tmp_path):
     done = torchrun(tmp_path, qwen3_dir, tmp_path / "never.json", TEST_DEVICE, 3, "gpu", "[[1, 2, 3]]", nproc=2)
     assert done.returncode != 0
-    assert done.stderr.count("the launcher started 2 processes (WORLD_SIZE) but tensor_parallel_size is 3") == 2
+    # Each rank raises it before any work; torchrun stops the other rank once one has failed, so it may not get to.
+    assert "the launcher started 2 processes (WORLD_SIZE) but tensor_parallel_size is 3" in done.stderr
     assert not (tmp_path / "never.json").exists()
