@@ -1,6 +1,6 @@
 """The placement replay (simulate_placement.py) with prefill/decode separation: the real engine and scheduler, their
 prefill lane replaced by one whose steps run on a second simulated GPU. It shows on CPU how PD's schedule differs
-from one GPU's at the same decode budget: demotions, promotions, recomputes, when requests join decode.
+from one GPU's at the same decode budget: host-tier admissions, demotions, promotions, recomputes.
 
     PYTHONPATH=. python -m benchmarks.simulate_pd [--model qwen3-0.6b --num-seqs 64 --prompt-len 2048 \\
         --output-len 256 --num-gpu-blocks 2304] [--policy auto]
@@ -27,7 +27,6 @@ class FakePrefillLane:
         self.landing = []  # the real lane's final chunks in copy; folded into done_at here
         self.free_at = 0.0
         self.num_steps = self.num_prompt_tokens = 0
-        self.joined = []  # (time, rows that left prefill) per step taken in
 
     @property
     def computing(self) -> bool:
@@ -54,9 +53,7 @@ class FakePrefillLane:
         (rows, _, seconds, tokens), self.step = self.step, None
         for seq in rows:
             seq.in_flight = False
-        finished = scheduler.postprocess(rows, [1] * len(rows))
-        self.joined.append((self.clock.now, sum(not seq.in_prefill for seq in rows)))
-        return finished, tokens, seconds
+        return scheduler.postprocess(rows, [1] * len(rows)), tokens, seconds
 
     def wait(self, other=None) -> None:
         if self.step is not None:
@@ -80,7 +77,7 @@ def simulate(policy: str, point: Point, pd: bool) -> dict:
     while engine.has_work():
         engine.step()
     result = summarize(policy, point, engine, clock.now)
-    result["kv_location"] = {"host_admissions": engine.stats.snapshot()["checks"].get("admit_pays", 0)}
+    result["host_admissions"] = engine.stats.snapshot()["checks"].get("admit_pays", 0)
     result["mode"] = "pd" if pd else "one_gpu"
     if lane is not None:
         result["lane_steps"] = lane.num_steps

@@ -11,6 +11,6 @@ from benchmarks.simulate_placement import Point
 def test_pd_admits_to_the_host_tier_and_demotes_no_more_than_one_gpu():
     point = Point("qwen3-0.6b", 64, 2048, 256, 2304)
     one, pd = simulate("auto", point, pd=False), simulate("auto", point, pd=True)
-    assert pd["kv_location"]["host_admissions"] <= one["kv_location"]["host_admissions"]
+    assert pd["host_admissions"] <= one["host_admissions"]
     assert pd["demotions"] <= one["demotions"]
     assert pd["lane_steps"] > 0 and pd["host_tokens"] <= one["host_tokens"]
