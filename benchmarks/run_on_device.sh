@@ -154,7 +154,8 @@ case "${1:-check}" in
     # the files dealt out by size; outputs concatenated into $OUT/gpu_tests.txt. SHARD_GPUS: use only the first
     # N GPUs (and their cores), leaving the others to a benchmark run beside the tests; GPU_TESTS: the output's name
     # (gpu_tests_flash_attn with OFFLOAD_ENGINE_ATTENTION_BACKEND=flash-attn); SHARDS_PER_GPU: pytest processes per
-    # GPU, the GPU's cores split among them
+    # GPU, the GPU's cores split among them. A test that runs past 240 s dumps every thread's stack into the output
+    # (pytest's faulthandler_timeout), so a hang names itself even when the shard's time limit then ends it.
     make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
     all=$(nvidia-smi -L | wc -l); gpus=${SHARD_GPUS:-$all}; per=${SHARDS_PER_GPU:-1}; shards=$((gpus * per))
     cores=$(( $(nproc) / all / per ))
@@ -166,12 +167,12 @@ case "${1:-check}" in
     if [ "$all" -ge 2 ]; then
       ls tests/distributed/test_*.py tests/engine/disagg/test_*.py > "$OUT/shard_$shards.txt"
       CUDA_VISIBLE_DEVICES=0,1 NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda timeout ${SHARD_LIMIT:-560} \
-        .venv/bin/python -m pytest -q -rs --durations=5 $(cat "$OUT/shard_$shards.txt") > "$OUT/gpu_tests_shard_$shards.txt" 2>&1 &
+        .venv/bin/python -m pytest -v -rs --durations=5 -o faulthandler_timeout=240 $(cat "$OUT/shard_$shards.txt") > "$OUT/gpu_tests_shard_$shards.txt" 2>&1 &
     fi
     for g in $(seq 0 $((shards - 1))); do
       CUDA_VISIBLE_DEVICES=$((g % gpus)) NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda \
         taskset -c $((g * cores))-$(((g + 1) * cores - 1)) timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -q -rs \
-        --durations=5 $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
+        --durations=5 -o faulthandler_timeout=240 $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
     done
     wait; gpus=$shards; [ "$all" -ge 2 ] && gpus=$((shards + 1))
     { echo "# make test-gpu in $gpus shards ($per per GPU), $(date -u '+%F %H:%M') UTC, commit ${BENCH_COMMIT:-?}, backend ${OFFLOAD_ENGINE_ATTENTION_BACKEND:-auto}, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"

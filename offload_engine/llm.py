@@ -74,8 +74,9 @@ class LLM:
             tensor_parallel_size=tensor_parallel_size,
             prefill_device=prefill_device, prefill_graph_tokens=prefill_graph_tokens, stream_host_kv=stream_host_kv,
             stream_staging_gb=stream_staging_gb)
+        # A launcher's world of another size fails first, on every rank: the devices' check would blame the GPUs.
+        launch = launched_rank(tensor_parallel_size) if isinstance(tensor_parallel_size, int) else None
         self.config.validate()
-        launch = launched_rank(tensor_parallel_size)  # a launcher's world of another size fails here, on every rank
         if not os.path.isdir(model):
             raise OSError(f"model directory {model!r} does not exist: pass a Hugging Face model directory "
                           "(config.json + *.safetensors)")

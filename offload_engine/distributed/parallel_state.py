@@ -14,6 +14,7 @@ LANES = ("device", "host")
 STORE_PREFIX = "offload-engine/pg"  # launched ranks' process group keys, apart from the launcher's own
 # Bounds a hang (a rank stuck in a bug); a rank that dies is noticed at once (workers.py's watcher).
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
+ABORT_PATIENCE = 30.0  # s that leaving the groups waits for an abort in progress
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +59,7 @@ class _Groups:
 
 _groups: _Groups | None = None
 _thread = threading.local()  # .lane: the lane whose call this thread is running
+_abort_thread: threading.Thread | None = None
 
 
 def init(rank: int, size: int, device: torch.device, store: "str | dist.Store") -> None:
@@ -76,26 +78,37 @@ def init(rank: int, size: int, device: torch.device, store: "str | dist.Store") 
 
 
 def destroy() -> None:
-    """Leaves the groups (every rank does, at close). Safe when not joined."""
-    global _groups
+    """Leaves the groups (every rank does, at close). Safe when not joined. After an abort, waits up to
+    ABORT_PATIENCE s for it first: an abort of WORLD leaves the groups itself."""
+    global _groups, _abort_thread
     _groups = None
+    if _abort_thread is not None:
+        _abort_thread.join(ABORT_PATIENCE)
+        _abort_thread = None
     if dist.is_initialized():
         dist.destroy_process_group()
 
 
 def abort() -> None:
     """Makes the collectives a rank is stuck in fail, once another rank has died (workers.py's watcher): NCCL's
-    communicators are aborted (its kernels would spin on); gloo's fail by themselves."""
+    communicators are aborted (its kernels would spin on); gloo's fail by themselves. The abort runs on a thread of
+    its own, never waited for here: the caller holds the watcher's lock, which rank 0's main thread needs to hear
+    of the failure, and an NCCL abort can block (destroy() waits for it, bounded)."""
+    global _abort_thread
     groups = _groups
-    if groups is None or groups.backend != "nccl":
+    if groups is None or groups.backend != "nccl" or _abort_thread is not None:
         return
+    _abort_thread = threading.Thread(target=_abort_all, name="tp-abort", daemon=True)
+    _abort_thread.start()
+
+
+def _abort_all() -> None:
     abort_group = getattr(dist.distributed_c10d, "_abort_process_group", None)
-    for group in groups.lanes.values():
-        try:
-            if abort_group is not None:
-                abort_group(group)
-        except Exception:  # noqa: BLE001 - best effort on a failed engine; the caller raises the real error
-            pass
+    try:
+        if abort_group is not None:
+            abort_group()  # WORLD: every group, the lanes' too, inside one NCCL group call
+    except Exception:  # noqa: BLE001 - best effort on a failed engine; the caller raises the real error
+        pass
 
 
 @contextmanager

@@ -62,3 +62,13 @@ def test_a_world_of_another_size_is_a_clear_error(qwen3_dir, tmp_path):
     # Each rank raises it before any work; torchrun stops the other rank once one has failed, so it may not get to.
     assert "the launcher started 2 processes (WORLD_SIZE) but tensor_parallel_size is 3" in done.stderr
     assert not (tmp_path / "never.json").exists()
+
+
+def test_a_world_of_another_size_is_named_before_the_devices_are_checked(monkeypatch, tmp_path):
+    """Under a launcher, the world's size is the error to fix first: a device check would blame the GPUs (three
+    ranks from cuda:0 on a host that has two, or none)."""
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    from offload_engine import LLM
+    with pytest.raises(ValueError, match="the launcher started 2 processes"):
+        LLM(str(tmp_path), device="cuda:0", tensor_parallel_size=3)

@@ -67,14 +67,15 @@ def test_close_stops_every_worker_and_another_engine_starts_after(qwen3_dir):
 
 
 def test_a_worker_error_surfaces_on_rank_0(qwen3_dir):
-    """The worker raises inside a call while rank 0 waits in a collective for it: rank 0 gets the worker's error
-    (not a hang); the engine refuses further work and still closes."""
+    """The worker raises inside a call while rank 0 waits in a collective for it (on the engine's device: on NCCL a
+    kernel that spins until the communicator is aborted): rank 0 gets the worker's error (not a hang); the engine
+    refuses further work and still closes."""
     llm = _engine(qwen3_dir)
     workers = _workers(llm)
     tp = llm.engine.runner
     bad = Call("prefill", (["not a sequence"],), tp.finished["host"])
     with pytest.raises(WorkerError, match=r"rank 1 failed(.|\n)*ValueError"):
-        tp._mirror("device", bad, lambda: parallel_state.all_reduce(torch.ones(1)))
+        tp._mirror("device", bad, lambda: parallel_state.all_reduce(torch.ones(1, device=tp.device)).item())
     with pytest.raises(WorkerError, match="close this LLM"):
         llm.generate([[1, 2, 3]], SamplingParams(max_tokens=2), use_tqdm=False)
     llm.close()
