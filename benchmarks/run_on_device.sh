@@ -4,7 +4,8 @@
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
-#   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps
+#   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
+#   tp-all-reduce
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -242,6 +243,15 @@ case "${1:-check}" in
     ;;
   multi-gpu-tp)  # TP=2 (and 4 on four GPUs) against one GPU, end to end
     step multi_gpu_tp 570 python3 -m benchmarks.bench_multi_gpu --entries tp --out-dir "$OUT"
+    ;;
+  tp-all-reduce)  # issue 61 on GPUs 0-1: one all-reduce in a graph, NCCL against the symmetric one-shot
+    # (bench_all_reduce), then the TP decode step with each (OFFLOAD_ENGINE_ALL_REDUCE=nccl, then auto)
+    step all_reduce 150 python3 -m benchmarks.bench_all_reduce --gpus 2 --out "$OUT/all_reduce.json"
+    for choice in nccl auto; do
+      mkdir -p "$OUT/steps_$choice"
+      step tp_steps_$choice 300 env OFFLOAD_ENGINE_ALL_REDUCE=$choice python3 -m benchmarks.bench_multi_gpu \
+        --entries tp_steps --tp-sizes 2 --out-dir "$OUT/steps_$choice"
+    done
     ;;
   multi-gpu-steps)  # a TP decode step's wall against its graph's GPU time on every rank, then greedy agreement
     step multi_gpu_tp_steps 400 python3 -m benchmarks.bench_multi_gpu --entries tp_steps --out-dir "$OUT"

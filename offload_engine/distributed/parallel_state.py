@@ -10,6 +10,8 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
+from offload_engine.distributed.symmetric_all_reduce import SymmetricAllReduce, try_make
+
 LANES = ("device", "host")
 STORE_PREFIX = "offload-engine/pg"  # launched ranks' process group keys, apart from the launcher's own
 # Bounds a hang (a rank stuck in a bug); a rank that dies is noticed at once (workers.py's watcher).
@@ -47,7 +49,7 @@ def ranks_on_this_host(size: int) -> int:
 
 
 class _Groups:
-    def __init__(self, backend: str, device: torch.device):
+    def __init__(self, backend: str, device: torch.device, dtype: torch.dtype):
         self.backend, self.device = backend, device
         # new_group is collective: every rank makes the same groups in the same order. The device lane keeps WORLD,
         # so start-up (which runs as the device lane) and the device lane's steps share one order.
@@ -55,6 +57,14 @@ class _Groups:
         # NCCL makes a communicator's buffers at its first collective: now, before the device pool is sized.
         for group in self.lanes.values():
             dist.all_reduce(torch.zeros(1, device=device), group=group)
+        self.symmetric = {name: self._symmetric(group, dtype) for name, group in self.lanes.items()}
+
+    def _symmetric(self, group, dtype: torch.dtype) -> "SymmetricAllReduce | None":
+        """The lane's small-tensor all-reduce, where every rank could make it (else none uses it: they must agree)."""
+        made = try_make(group, self.device, dtype)
+        flag = torch.tensor([int(made is not None)], device=self.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return made if flag.item() == 1 else None
 
 
 _groups: _Groups | None = None
@@ -62,7 +72,7 @@ _thread = threading.local()  # .lane: the lane whose call this thread is running
 _abort_thread: threading.Thread | None = None
 
 
-def init(rank: int, size: int, device: torch.device, store: "str | dist.Store") -> None:
+def init(rank: int, size: int, device: torch.device, store: "str | dist.Store", dtype: torch.dtype) -> None:
     """Joins the engine's ranks: NCCL on GPUs, gloo on the CPU; they meet at `store` (a file's path for spawned
     ranks, the launcher's store under STORE_PREFIX for launched ones)."""
     global _groups
@@ -74,7 +84,7 @@ def init(rank: int, size: int, device: torch.device, store: "str | dist.Store") 
     store = dist.FileStore(store, size) if isinstance(store, str) else store
     dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=COLLECTIVE_TIMEOUT, **kwargs)
-    _groups = _Groups(backend, device)
+    _groups = _Groups(backend, device, dtype)
 
 
 def destroy() -> None:
@@ -130,9 +140,18 @@ def _group():
 
 
 def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
-    """Sums `tensor` over the ranks, in place; every rank gets the same bits."""
+    """The sum of `tensor` over the ranks, the same bits on every rank: small tensors over symmetric memory where the
+    GPUs have it (a new tensor), the rest by NCCL or gloo (in place). Use the result, not `tensor`."""
+    symmetric = _groups.symmetric.get(getattr(_thread, "lane", None)) if _groups is not None else None
+    if symmetric is not None and symmetric.takes(tensor):
+        return symmetric(tensor)
     dist.all_reduce(tensor, group=_group())
     return tensor
+
+
+def uses_symmetric_memory(lane_name: str) -> bool:
+    """Whether `lane_name`'s small all-reduces go over symmetric memory in this engine."""
+    return _groups is not None and _groups.symmetric.get(lane_name) is not None
 
 
 def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -30,7 +30,7 @@ class TensorParallelRunner:
             self.workers = WorkerGroup(size, dict(model_dir=model_dir, cfg=cfg, dtype=dtype,
                                                   max_model_len=max_model_len), launched_rank(size))
             self.workers.wait_joining()
-            parallel_state.init(0, size, cfg.torch_device, self.workers.rendezvous)
+            parallel_state.init(0, size, cfg.torch_device, self.workers.rendezvous, dtype)
             with parallel_state.lane("device"):  # its start-up collectives pair with the workers' (worker.py)
                 self.runner = ModelRunner(model_dir, model_cfg, cfg, dtype, max_model_len, tp=Partition(0, size))
         except BaseException as error:

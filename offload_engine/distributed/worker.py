@@ -181,7 +181,7 @@ def _serve(rank: int, size: int, spec: WorkerSpec, device: torch.device, lanes: 
         else:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // parallel_state.ranks_on_this_host(size)))
         reporter.send("joining")
-        parallel_state.init(rank, size, device, store)
+        parallel_state.init(rank, size, device, store, spec.dtype)
         with parallel_state.lane("device"):
             model_cfg = ModelConfig.from_model_dir(spec.model_dir)
             runner = ModelRunner(spec.model_dir, model_cfg, dataclasses.replace(spec.cfg, device=str(device)),

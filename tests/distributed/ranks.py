@@ -11,11 +11,12 @@ from offload_engine.distributed import parallel_state
 TIMEOUT = 60
 
 
-def run_on_two_ranks(check, tmp_dir: str) -> None:
+def run_on_two_ranks(check, tmp_dir: str, device: str = "cpu") -> None:
+    """device "cuda": rank r on GPU r over NCCL, the groups made for bfloat16 activations."""
     context = multiprocessing.get_context("spawn")
     store = os.path.join(tmp_dir, "rendezvous")
-    processes = [context.Process(target=_rank_main, args=(check.__module__, check.__name__, rank, store, tmp_dir))
-                 for rank in range(2)]
+    processes = [context.Process(target=_rank_main, args=(check.__module__, check.__name__, rank, store, tmp_dir,
+                                                          device)) for rank in range(2)]
     for process in processes:
         process.start()
     for process in processes:
@@ -28,9 +29,13 @@ def run_on_two_ranks(check, tmp_dir: str) -> None:
     assert codes == [0, 0], f"{check.__name__} failed on a rank (exit codes {codes}; the traceback is above)"
 
 
-def _rank_main(module: str, name: str, rank: int, store: str, tmp_dir: str) -> None:
+def _rank_main(module: str, name: str, rank: int, store: str, tmp_dir: str, device: str) -> None:
     torch.set_num_threads(1)
-    parallel_state.init(rank, 2, torch.device("cpu"), store)
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        parallel_state.init(rank, 2, torch.device("cuda", rank), store, torch.bfloat16)
+    else:
+        parallel_state.init(rank, 2, torch.device("cpu"), store, torch.float32)
     try:
         getattr(importlib.import_module(module), name)(rank, tmp_dir)
     finally:
