@@ -10,13 +10,14 @@ import warnings
 
 import torch
 
-ENV = "OFFLOAD_ENGINE_ALL_REDUCE"  # "nccl": every all-reduce through NCCL (for A/B runs); otherwise "auto"
+ENV = "OFFLOAD_ENGINE_ALL_REDUCE"  # "auto": small tensors over symmetric memory; "nccl": every all-reduce by NCCL
+DEFAULT = "nccl"  # until a GPU run shows the one-shot pays (docs/decisions/multi-gpu.md)
 ONE_SHOT_MAX_BYTES = 1 << 20  # larger tensors (prefill's) go through NCCL, whose rings use the links better
 
 
 def wanted() -> bool:
     """Whether the environment lets the engine use symmetric memory (OFFLOAD_ENGINE_ALL_REDUCE, "auto" or "nccl")."""
-    choice = os.environ.get(ENV, "auto")
+    choice = os.environ.get(ENV, DEFAULT)
     if choice not in ("auto", "nccl"):
         raise ValueError(f"{ENV}={choice!r}: use 'auto' (symmetric memory for small tensors where the GPUs have it) "
                          "or 'nccl'")

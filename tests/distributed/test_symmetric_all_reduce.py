@@ -41,7 +41,8 @@ def _check_no_symmetric(rank: int, tmp_dir: str) -> None:
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs")
-def test_on_two_gpus_every_sum_is_exact_and_the_same_on_both_ranks(tmp_path):
+def test_on_two_gpus_every_sum_is_exact_and_the_same_on_both_ranks(tmp_path, monkeypatch):
+    monkeypatch.setenv(ENV, "auto")  # the spawned ranks inherit it
     run_on_two_ranks(_check_sums, str(tmp_path), device="cuda")
 
 
