@@ -31,11 +31,12 @@ from benchmarks.workloads import PROFILES, QWEN3_8B_ON_24_GIB  # noqa: E402
 BLOCK_SIZE = 16
 
 
-def _budget_runs(path: str, spec, budget: int, modes: dict[str, dict], placements=("gpu", "auto")) -> list[dict]:
-    """Every placement x mode at one device budget; each run is one LLM made and closed."""
+def _budget_runs(path: str, spec, budget: int, modes: dict[str, dict], runs: list, keep,
+                 placements=("gpu", "auto")) -> list[dict]:
+    """Every placement x mode at one device budget, appended to `runs`, which `keep` gets after each run (a call
+    that runs out of time keeps the runs so far); each run is one LLM made and closed."""
     prompts = random_prompts([spec.prompt_len] * spec.num_seqs, 10000, seed=1)
     seq_len = spec.prompt_len + spec.output_len
-    runs = []
     for placement in placements:
         for mode, extra in modes.items():
             kwargs = dict(max_model_len=seq_len, max_num_seqs=spec.num_seqs, block_size=BLOCK_SIZE,
@@ -50,6 +51,7 @@ def _budget_runs(path: str, spec, budget: int, modes: dict[str, dict], placement
                 result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
             print(f"    {result.get('output_tok_per_s', 0):.0f} output tok/s {result.get('error', '')}", flush=True)
             runs.append({"placement": placement, "mode": mode, "budget_blocks": budget, **result})
+            keep(runs)
     return runs
 
 
@@ -67,7 +69,7 @@ def _kv_bytes(path: str) -> int:
     return config.kv_bytes_per_token(config.dtype)
 
 
-def entry_pd(cache: str, models: list[str]) -> dict:
+def entry_pd(cache: str, models: list[str], keep) -> dict:
     """PD against one GPU on workload b: decode on cuda:1 with prefill on cuda:0, against everything on cuda:1."""
     modes = {"one_gpu": dict(device="cuda:1"), "pd": dict(device="cuda:1", prefill_device="cuda:0")}
     runs = []
@@ -76,19 +78,19 @@ def entry_pd(cache: str, models: list[str]) -> dict:
             continue
         total = spec.num_seqs * -(-(spec.prompt_len + spec.output_len) // BLOCK_SIZE)
         path = model_dir(spec.model, cache)
-        runs += _budget_runs(path, spec, max(1, total // 4), modes)
+        _budget_runs(path, spec, max(1, total // 4), modes, runs, keep)
     return {"runs": runs, "ratios": _ratios(runs, "pd", "one_gpu")}
 
 
-def entry_tp(cache: str, sizes: list[int]) -> dict:
+def entry_tp(cache: str, sizes: list[int], keep) -> dict:
     """TP=N against TP=1 on the 8B shape, decode-heavy; auto at a budget that holds ~0.4 of the batch's KV (per GPU:
     each rank's pool holds its share of every block)."""
     spec = next(s for s in PROFILES["full"].b if s.name == "dh" and s.model == "qwen3-8b")
     path = model_dir(spec.model, cache)
     modes = {"tp1": dict(device="cuda:0"), **{f"tp{n}": dict(device="cuda:0", tensor_parallel_size=n) for n in sizes}}
     total = spec.num_seqs * -(-(spec.prompt_len + spec.output_len) // BLOCK_SIZE)
-    runs = _budget_runs(path, spec, total, modes, placements=("gpu",))  # the whole batch on the device
-    runs += _budget_runs(path, spec, QWEN3_8B_ON_24_GIB, modes, placements=("gpu", "auto"))
+    runs = _budget_runs(path, spec, total, modes, [], keep, placements=("gpu",))  # the whole batch on the device
+    _budget_runs(path, spec, QWEN3_8B_ON_24_GIB, modes, runs, keep, placements=("gpu", "auto"))
     ratios = {key: value for n in sizes for key, value in _ratios(runs, f"tp{n}", "tp1").items()}
     ratios.update({f"auto/gpu:tp{n}@{QWEN3_8B_ON_24_GIB}": _placement_ratio(runs, f"tp{n}") for n in sizes})
     return {"runs": runs, "ratios": ratios}
@@ -201,13 +203,18 @@ def main() -> None:
     out = os.path.join(args.out_dir, "multi_gpu.json")
     found = json.load(open(out)) if os.path.isfile(out) else {}
     found["device"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    def write(entry: str, value: dict) -> None:
+        found[entry] = value
+        with open(out, "w") as f:
+            json.dump(found, f, indent=1)
+
     for entry in args.entries:
         print(f"[{entry}]", flush=True)
-        found[entry] = {"greedy": lambda: entry_greedy(sizes), "pd": lambda: entry_pd(args.cache, args.pd_models),
-                        "tp": lambda: entry_tp(args.cache, sizes),
-                        "tp_steps": lambda: entry_tp_steps(args.cache, sizes)}[entry]()
-        with open(out, "w") as f:  # after each entry: a later one that runs out of time keeps the earlier
-            json.dump(found, f, indent=1)
+        keep = lambda runs, entry=entry: write(entry, {"runs": runs, "unfinished": True})  # noqa: E731
+        write(entry, {"greedy": lambda: entry_greedy(sizes), "pd": lambda: entry_pd(args.cache, args.pd_models, keep),
+                      "tp": lambda: entry_tp(args.cache, sizes, keep),
+                      "tp_steps": lambda: entry_tp_steps(args.cache, sizes)}[entry]())
+        print(json.dumps(found[entry].get("ratios", found[entry].get("equal")), indent=1), flush=True)
         print(json.dumps(found[entry].get("ratios", found[entry].get("equal")), indent=1), flush=True)
 
 

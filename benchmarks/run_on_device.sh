@@ -5,7 +5,7 @@
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
-#   tp-all-reduce
+#   tp-all-reduce, tests-multi-gpu
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -243,6 +243,13 @@ case "${1:-check}" in
     ;;
   multi-gpu-tp)  # TP=2 (and 4 on four GPUs) against one GPU, end to end
     step multi_gpu_tp 570 python3 -m benchmarks.bench_multi_gpu --entries tp --out-dir "$OUT"
+    ;;
+  tests-multi-gpu)  # the tests of several GPUs alone (TP, PD, the symmetric all-reduce), on the GPUs visible, each
+    # test named as it ends and a stack dump for one past 240 s: $OUT/gpu_tests_multi_gpu.txt
+    make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
+    OFFLOAD_ENGINE_TEST_DEVICE=cuda timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -v -rs --durations=10 \
+      -o faulthandler_timeout=240 tests/distributed tests/engine/disagg > "$OUT/gpu_tests_multi_gpu.txt" 2>&1
+    grep -E "passed|failed|FAILED|Timeout" "$OUT/gpu_tests_multi_gpu.txt" | tail -n 15
     ;;
   tp-all-reduce)  # issue 61 on GPUs 0-1: one all-reduce in a graph, NCCL against the symmetric one-shot
     # (bench_all_reduce), then the TP decode step with each (OFFLOAD_ENGINE_ALL_REDUCE=nccl, then auto)
