@@ -28,7 +28,7 @@ class SymmetricAllReduce:
     def __init__(self, group, device: torch.device, dtype: torch.dtype, max_bytes: int = ONE_SHOT_MAX_BYTES):
         import torch.distributed._symmetric_memory as symm_mem
 
-        with warnings.catch_warnings():  # needed before torch 2.8's automatic set-up, deprecated after
+        with warnings.catch_warnings():  # older torch needs it; newer does it by itself and warns
             warnings.simplefilter("ignore", FutureWarning)
             symm_mem.enable_symm_mem_for_group(group.group_name)
         self.buffer = symm_mem.empty(max_bytes // dtype.itemsize, dtype=dtype, device=device)
