@@ -5,7 +5,7 @@
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
-#   tp-all-reduce, tests-multi-gpu
+#   tp-all-reduce, tests-multi-gpu, tp-check
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -243,6 +243,12 @@ case "${1:-check}" in
     ;;
   multi-gpu-tp)  # TP=2 (and 4 on four GPUs) against one GPU, end to end
     step multi_gpu_tp 570 python3 -m benchmarks.bench_multi_gpu --entries tp --out-dir "$OUT"
+    ;;
+  tp-check)  # a host of four GPUs, two groups at once: tp-all-reduce on GPUs 0-1, tests-multi-gpu on GPUs 2-3
+    cores=$(( $(nproc) / 4 ))
+    (CUDA_VISIBLE_DEVICES=2,3 taskset -c $((2 * cores))-$((4 * cores - 1)) bash "$0" tests-multi-gpu > "$OUT/tests_group.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=0,1 taskset -c 0-$((2 * cores - 1)) bash "$0" tp-all-reduce
+    wait; cat "$OUT/tests_group.log"; rm -f "$OUT/tests_group.log"
     ;;
   tests-multi-gpu)  # the tests of several GPUs alone (TP, PD, the symmetric all-reduce), on the GPUs visible, each
     # test named as it ends and a stack dump for one past 240 s: $OUT/gpu_tests_multi_gpu.txt
