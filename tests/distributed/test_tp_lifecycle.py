@@ -5,6 +5,8 @@ import multiprocessing
 import os
 import signal
 import threading
+import time
+import types
 
 import psutil
 import pytest
@@ -102,3 +104,22 @@ def test_a_process_group_of_its_own_is_refused_before_any_work(qwen3_dir, tmp_pa
         assert multiprocessing.active_children() == []
     finally:
         dist.destroy_process_group()
+
+
+def test_an_abort_that_blocks_holds_up_neither_the_watcher_nor_close(monkeypatch):
+    """NCCL's abort runs on a thread of its own: the watcher (which holds the lock rank 0 waits on to hear of a
+    failure) returns at once, a second abort starts nothing, and leaving the groups waits for it only so long."""
+    release = threading.Event()
+    aborts = []
+    monkeypatch.setattr(dist.distributed_c10d, "_abort_process_group",
+                        lambda group=None: aborts.append(group) or release.wait())
+    monkeypatch.setattr(parallel_state, "_groups", types.SimpleNamespace(backend="nccl"))
+    monkeypatch.setattr(parallel_state, "ABORT_PATIENCE", 0.3)
+    began = time.monotonic()
+    parallel_state.abort()
+    parallel_state.abort()
+    assert time.monotonic() - began < 0.2
+    parallel_state.destroy()
+    assert 0.3 <= time.monotonic() - began < 2.0
+    release.set()
+    assert aborts == [None]  # WORLD: every group in one call
