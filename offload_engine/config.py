@@ -218,6 +218,10 @@ class EngineConfig:
             raise ValueError(f"tensor_parallel_size={ranks} from {self.device!r} needs GPUs {_index(device)}.."
                              f"{_index(device) + ranks - 1}, but torch sees {torch.cuda.device_count()}: "
                              "lower tensor_parallel_size")
+        if ranks > 1:
+            from offload_engine.distributed.symmetric_all_reduce import wanted
+
+            wanted()  # a bad OFFLOAD_ENGINE_ALL_REDUCE is named here, before any rank starts
 
     @property
     def torch_device(self) -> torch.device:

@@ -79,3 +79,13 @@ def _check_in_a_graph(device: torch.device, rank: int) -> None:
         x.copy_(both[rank])
         graph.replay()
         assert torch.equal(y.cpu(), (both[0].double() + both[1].double()).to(torch.bfloat16)), seed
+
+
+def test_a_bad_switch_is_named_before_any_rank_starts(monkeypatch, qwen3_dir):
+    import multiprocessing
+
+    from offload_engine import LLM
+    monkeypatch.setenv(ENV, "fast")
+    with pytest.raises(ValueError, match="OFFLOAD_ENGINE_ALL_REDUCE='fast'"):
+        LLM(qwen3_dir, device="cpu", tensor_parallel_size=2)
+    assert multiprocessing.active_children() == []
