@@ -5,6 +5,7 @@ import dataclasses
 import datetime
 import os
 import threading
+import warnings
 from contextlib import contextmanager
 
 import torch
@@ -89,12 +90,17 @@ def init(rank: int, size: int, device: torch.device, store: "str | dist.Store", 
 
 def destroy() -> None:
     """Leaves the groups (every rank does, at close). Safe when not joined. After an abort, waits up to
-    ABORT_PATIENCE s for it first: an abort of WORLD leaves the groups itself."""
+    ABORT_PATIENCE s for it first: an abort of WORLD leaves the groups itself, and one still stuck past that is left
+    as it is (a warning; this process can then start no other tensor-parallel engine) rather than waited on."""
     global _groups, _abort_thread
     _groups = None
     if _abort_thread is not None:
         _abort_thread.join(ABORT_PATIENCE)
-        _abort_thread = None
+        stuck, _abort_thread = _abort_thread.is_alive(), None
+        if stuck:
+            warnings.warn(f"NCCL's abort after a failed rank did not end within {ABORT_PATIENCE:.0f} s: the process "
+                          "groups are left as they are")
+            return
     if dist.is_initialized():
         dist.destroy_process_group()
 

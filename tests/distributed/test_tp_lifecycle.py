@@ -119,7 +119,8 @@ def test_an_abort_that_blocks_holds_up_neither_the_watcher_nor_close(monkeypatch
     parallel_state.abort()
     parallel_state.abort()
     assert time.monotonic() - began < 0.2
-    parallel_state.destroy()
+    with pytest.warns(UserWarning, match="left as they are"):
+        parallel_state.destroy()  # still stuck: not waited on longer, nor the groups destroyed under it
     assert 0.3 <= time.monotonic() - began < 2.0
     release.set()
     assert aborts == [None]  # WORLD: every group in one call
