@@ -9,6 +9,7 @@ whether the one-shot's sum equals NCCL's bit for bit, and whether every rank got
 needs that). Needs two GPUs or more.
 """
 import argparse
+import datetime
 import json
 import os
 import socket
@@ -99,7 +100,7 @@ def main() -> None:
     from benchmarks.bench_long_context import commit
 
     found = json.load(open(args.out))
-    found.update(date=__import__("datetime").date.today().isoformat(), commit=commit())
+    found.update(date=datetime.date.today().isoformat(), commit=commit())
     with open(args.out, "w") as f:
         json.dump(found, f, indent=1)
     print(f"wrote {args.out}")
