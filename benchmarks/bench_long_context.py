@@ -251,12 +251,17 @@ def peer_attempt(request: dict) -> None:
     print(PEER_MARK + json.dumps(result), flush=True)
 
 
-def hf_offloaded(spec: LongContext, path: str, deadline: Deadline) -> dict:
-    """transformers' offloaded cache on the workload's prompts, the largest batch first, smaller ones on failure."""
+def hf_offloaded(spec: LongContext, path: str, deadline: Deadline, batches: tuple[int, ...] | None = None) -> dict:
+    """transformers' offloaded cache on the workload's prompts, the largest batch first, smaller ones on failure.
+
+    batches (default the workload's) narrows the attempts; a batch left out is recorded as not attempted.
+    """
     base = {"model_dir": path, "lengths": [spec.prompt_len] * spec.num_seqs, "vocab": spec.vocab, "seed": 2,
             "output_len": spec.output_len}
-    failures = []
-    for batch in spec.peer_batches:
+    batches = spec.peer_batches if batches is None else batches
+    failures = [{"batch": b, "reason": "not attempted: --peer-batches"} for b in spec.peer_batches
+                if b not in batches and b > max(batches)]
+    for batch in batches:
         left = deadline.left() - WRITE_RESERVE_S
         budget = min(spec.peer_seconds, left - PEER_LOAD_S)
         if budget < min(MIN_PEER_S, spec.peer_seconds):
@@ -363,7 +368,7 @@ def _bars(ax, xs: list[float], values: list[float], width: float, label: str, lo
 
 
 def run_workload(spec: LongContext, ceilings: dict, out_path: str, deadline: Deadline, model_cache: str,
-                 skip_peer: bool = False, skip_cpu: bool = False) -> dict:
+                 skip_peer: bool = False, skip_cpu: bool = False, peer_batches: tuple[int, ...] | None = None) -> dict:
     """The workload's entry, written to out_path after every run (see the module docstring)."""
     header = {"device": device_slug(), "date": time.strftime("%Y-%m-%d"), "commit": commit()}
     log(f"[{spec.name}] model {spec.model}")
@@ -402,7 +407,7 @@ def run_workload(spec: LongContext, ceilings: dict, out_path: str, deadline: Dea
         entry.update(hf_offloaded_tok_per_s=None, hf_offloaded_batch=None, hf_offloaded_decode_tok_per_s=None,
                      hf_offloaded_failures=[], hf_offloaded=None)
     else:
-        entry.update(hf_offloaded(spec, path, deadline))
+        entry.update(hf_offloaded(spec, path, deadline, peer_batches))
     entry["vs_hf_offloaded"] = ratio(entry["output_tok_per_s"], entry["hf_offloaded_tok_per_s"])
     entry["vs_hf_offloaded_decode"] = ratio(entry["decode_tok_per_s"], entry["hf_offloaded_decode_tok_per_s"])
     for reason in entry["skipped"].items():
@@ -419,6 +424,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     parser.add_argument("--out-dir", default=None, help="default benchmarks/results/<device>")
     parser.add_argument("--skip-peer", action="store_true", help="no transformers run (recorded as skipped)")
     parser.add_argument("--skip-cpu", action="store_true", help="no kv_placement='cpu' run (recorded as skipped)")
+    parser.add_argument("--peer-batches", default=None, help="comma-separated batch sizes for transformers, tried "
+                        "in order (default the workload's); larger ones left out are recorded as not attempted")
     parser.add_argument("--deadline-s", type=float, default=540.0, help="the process's wall-clock budget")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--peer-attempt", default=None, help=argparse.SUPPRESS)  # a peer subprocess's request
@@ -440,7 +447,9 @@ def main(argv: list[str] | None = None) -> dict | None:
         f"{ceilings['stream_error'] or ''}")
     out_dir = args.out_dir or os.path.join(RESULTS, device_slug())
     out_path = os.path.join(out_dir, "long_context.json")
-    entry = run_workload(spec, ceilings, out_path, deadline, args.model_cache, args.skip_peer, args.skip_cpu)
+    peer_batches = tuple(int(b) for b in args.peer_batches.split(",")) if args.peer_batches else None
+    entry = run_workload(spec, ceilings, out_path, deadline, args.model_cache, args.skip_peer, args.skip_cpu,
+                         peer_batches)
     plot(out_path, os.path.splitext(out_path)[0] + ".png")
     return entry
 
