@@ -167,6 +167,15 @@ def _launch_config(device: torch.device, dtype: torch.dtype, num_q_heads: int, h
     return LONG_TILE
 
 
+def launch_configs(device: torch.device, dtype: torch.dtype, head_dim: int) -> list[tuple[int, int, int, int]]:
+    """Every config an untiled call on this device may take (_launch_config's choices): each is a kernel variant,
+    compiled where a call first meets it unless run before."""
+    config = _tile_config(device, dtype, head_dim)
+    if device.type != "cuda" or dtype == torch.float32 or not 64 < head_dim <= 128:
+        return [config]
+    return [config] + ([LONG_TILE] if _gpu(device)[1] >= LONG_TILE_SHARED_MEMORY else [])
+
+
 def query_tile_rows(device: torch.device, dtype: torch.dtype, head_dim: int) -> int:
     """Queries per program (BLOCK_M) for q of this device, dtype and head size: what `prefill_tiles` cuts by."""
     return _tile_config(device, dtype, head_dim)[0]

@@ -1,6 +1,7 @@
 """The split attention layer (docs/design.md, "The split attention layer"; docs/decisions/host-prefill.md): each
 token's K/V goes to its own tier; decode runs the host half beside the device half and merges them by log-sum-exp;
 prefill always computes on the device, over a token-major staging cache for host-tier rows."""
+import functools
 import time
 
 import torch
@@ -227,14 +228,30 @@ class Attention(nn.Module):
 
     def compile_prefill(self, staged: bool) -> None:
         """At start-up, the prefill kernels compiled per cache shape, so that none compiles in a first prefill:
-        flash-attn 4's for the device pool's block size; with `staged` (a host tier), the staging cache's."""
+        Triton's eager variants and flash-attn 4's for the device pool's block size; with `staged` (a host tier),
+        the staging cache's."""
         flash_attn = self.backend.flash_attn_prefill
+        self._compile_triton_prefill(self.k_cache.shape[1], contiguous=(False,))
         if flash_attn is not None:
             self._prefill_once(self.k_cache.shape[1], flash_attn)
         if staged:
             self.compile_staged_prefill()
+            self._compile_triton_prefill(self.k_cache_cpu.shape[2], contiguous=(False, True))
             if flash_attn is not None:
                 self._prefill_once(self.k_cache_cpu.shape[2], flash_attn)
+
+    def _compile_triton_prefill(self, block_size: int, contiguous: tuple[bool, ...]) -> None:
+        """Each variant of Triton's eager prefill that a step on a cache of `block_size` may launch (its query tile,
+        the table read or not), run once on two tokens. Eager steps are the ones no prefill graph holds, such as
+        those with host rows: without this, the first of them compiled its variant inside the step."""
+        if not (self.k_cache.is_cuda and self.backend.prefill_takes_contiguous):
+            return
+        from kernels.paged_prefill import launch_configs, paged_prefill_attention
+
+        for config in launch_configs(self.k_cache.device, self.k_cache.dtype, self.k_cache.shape[-1]):
+            for flag in contiguous:
+                self._prefill_once(block_size, functools.partial(paged_prefill_attention, config=config,
+                                                                 contiguous=flag))
 
     def compile_staged_prefill(self) -> None:
         """Runs a host-tier prefill's device kernels once on two tokens (the staging cache's variants: the host block
