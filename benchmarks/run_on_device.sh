@@ -5,7 +5,7 @@
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
-#   tp-all-reduce, tests-multi-gpu, tp-check
+#   tp-all-reduce, tests-multi-gpu, tp-check, decode-tiles
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -179,6 +179,10 @@ case "${1:-check}" in
     { echo "# make test-gpu in $gpus shards ($per per GPU), $(date -u '+%F %H:%M') UTC, commit ${BENCH_COMMIT:-?}, backend ${OFFLOAD_ENGINE_ATTENTION_BACKEND:-auto}, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
       for g in $(seq 0 $((gpus - 1))); do echo "## shard $g: $(tr '\n' ' ' < "$OUT/shard_$g.txt")"; cat "$OUT/gpu_tests_shard_$g.txt"; done
     } > "$OUT/${GPU_TESTS:-gpu_tests}.txt"; grep -h "passed\|failed" "$OUT"/gpu_tests_shard_*.txt; rm -f "$OUT"/shard_*.txt "$OUT"/gpu_tests_shard_*.txt
+    ;;
+  decode-tiles)  # the paged decode kernel's tiles and split counts against the HBM copy rate (issue 59: the device
+    # lane's batch-1 attention of a long-context batch read 0.77 of it on the H200 host; ~2-3 min)
+    step decode_tiles 500 python3 -m benchmarks.sweep_decode_tiles --out "$OUT/decode_tiles.json"
     ;;
   weight-check)  # what the load-time NaN/infinity check of the weights costs at the 8B shape (bench_weight_check.py)
     step weight_check 240 python3 benchmarks/bench_weight_check.py --model qwen3-8b --out "$OUT/weight_check.json"

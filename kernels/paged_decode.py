@@ -142,10 +142,12 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size
     return max(1, min(wanted, by_length, MAX_SPLITS))
 
 
-def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, num_splits=None):
+def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, num_splits=None,
+                           config: tuple[int, int, int] | None = None):
     """Decode attention over paged KV; returns (out [B, Hq, D] in q's dtype, lse float32 [B, Hq]).
 
-    `num_splits` overrides the shape-derived split count (tests use it to force split-K paths).
+    `num_splits` overrides the shape-derived split count (tests use it to force split-K paths); `config`
+    (BLOCK_N, num_warps, num_stages) overrides _tile_config's (benchmarks/sweep_decode_tiles.py).
     """
     block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     group = check_queries(q, k_cache, num_kv_heads, head_dim)
@@ -158,7 +160,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return out, lse
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    block_n, num_warps, num_stages = _tile_config(q, head_dim)
+    block_n, num_warps, num_stages = config or _tile_config(q, head_dim)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n, q.device)
     if not 1 <= num_splits <= MAX_SPLITS:

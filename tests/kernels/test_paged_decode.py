@@ -14,7 +14,7 @@ LSE_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-3, torch.float16: 1e-3}
 
 
 def run_decode(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dtype, num_splits=None, seed=0,
-               strided_q=False):
+               strided_q=False, config=None):
     k_cache, v_cache, block_tables, keys, values = random_paged_kv(
         context_lens, num_kv_heads, head_dim, block_size, dtype, layout="token_major", seed=seed)
     gen = torch.Generator().manual_seed(seed + 1)
@@ -28,7 +28,7 @@ def run_decode(context_lens, num_q_heads, num_kv_heads, head_dim, block_size, dt
     scale = head_dim ** -0.5
     out, lse = paged_decode_attention(q_in, *on_test_device(k_cache, v_cache, block_tables,
                                                             torch.tensor(context_lens, dtype=torch.int32)),
-                                      scale, num_splits=num_splits)
+                                      scale, num_splits=num_splits, config=config)
     ref_out, ref_lse = paged_decode_reference(q, keys, values, scale)
     return out.cpu(), lse.cpu(), ref_out, ref_lse
 
@@ -70,6 +70,13 @@ def test_split_k_with_short_and_empty_rows(num_splits):
     context_lens = [100, 3, 0, 47]
     out, lse, ref_out, ref_lse = run_decode(context_lens, 4, 1, 64, 8, torch.bfloat16, num_splits, seed=3,
                                             strided_q=True)
+    assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
+
+
+@pytest.mark.parametrize("config", [(32, 4, 1), (16, 2, 2)])
+def test_a_tile_config_given_in_place_of_the_default(config):
+    # The sweep's configurations (benchmarks/sweep_decode_tiles.py) must compute the same attention.
+    out, lse, ref_out, ref_lse = run_decode([70, 33, 0, 16], 4, 2, 64, 16, torch.bfloat16, 3, seed=9, config=config)
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
 
 
