@@ -61,7 +61,7 @@ class HostKVPool:
 
             index = pin_device.index or 0  # named by index, as the engine names its GPU: never the current one
             self._pinning = HostPinning(flat.data_ptr(), self.nbytes, index)
-        self._flat, self._device_stacked = flat, None
+        self._flat, self._device_stacked = flat, {}
         # The finalizer holds the flat tensor, so the memory cannot be freed before it has been unpinned.
         self._finalizer = weakref.finalize(self, _unpin, self._pinning, flat)
 
@@ -78,18 +78,19 @@ class HostKVPool:
         """Whether device_stacked() is (or, once pinning ends, will be) available: known before pinning ends."""
         return self._pinning is not None and bool(self._pinning.driver.can_use_host_pointer(self._pinning.device_index))
 
-    def device_stacked(self) -> torch.Tensor | None:
-        """`stacked` as a CUDA tensor over this pinned memory, or None where that is not possible (not pinned, or
-        a device that cannot use the host pointer). It owns nothing: valid until close()."""
-        if self._device_stacked is None and self.pinned and self._pinning.driver.can_use_host_pointer(
-                self._pinning.device_index):
-            flat = cuda_alias(self._flat, self._pinning.device_index)
-            self._device_stacked = flat.view(self.stacked.shape)
-        return self._device_stacked
+    def device_stacked(self, device_index: int | None = None) -> torch.Tensor | None:
+        """`stacked` as a CUDA tensor over this pinned memory on device `device_index` (default: the pinning
+        device; the pinning is portable, so another GPU of the process may address it too), or None where that is
+        not possible (not pinned, or a device that cannot use the host pointer). It owns nothing: valid until
+        close()."""
+        index = self._pinning.device_index if device_index is None and self._pinning else device_index
+        if index not in self._device_stacked and self.pinned and self._pinning.driver.can_use_host_pointer(index):
+            self._device_stacked[index] = cuda_alias(self._flat, index).view(self.stacked.shape)
+        return self._device_stacked.get(index)
 
     def close(self) -> None:
         """Unpins now (idempotent); the memory goes once nothing else holds a view of it."""
-        self._device_stacked = self._flat = None
+        self._device_stacked, self._flat = {}, None
         self._finalizer()
         self.layers, self.stacked = [], None
 

@@ -36,10 +36,11 @@ from offload_engine.loader import build_model
 
 class ModelRunner:
     def __init__(self, model_dir: str, model_cfg: ModelConfig, cfg: EngineConfig, dtype: torch.dtype,
-                 max_model_len: int, tp: Partition = Partition()):
+                 max_model_len: int, tp: Partition = Partition(), host_tier: tuple | None = None):
         """model_cfg: the whole model; tp: the slice this runner holds. Under tensor parallelism the caller runs
-        this as the device lane (parallel_state.lane): start-up makes collectives."""
-        self.tp, self.whole_model_cfg = tp, model_cfg
+        this as the device lane (parallel_state.lane): start-up makes collectives. host_tier: another runner's
+        (num_cpu_blocks, host_pool, executor), which this one writes too and never closes (the prefill lane)."""
+        self.tp, self.whole_model_cfg, self.shared_host_tier = tp, model_cfg, host_tier
         self.cfg, self.model_cfg, self.dtype = cfg, tp.local_shape(model_cfg), dtype  # model_cfg: this rank's heads
         self.device, self.max_model_len = cfg.torch_device, max_model_len
         self.model = self.backend = self.device_pool = self.device_stacked = self.host_pool = self.executor = None
@@ -129,6 +130,8 @@ class ModelRunner:
         return self.cfg.max_num_seqs * -(-self.max_model_len // block_size)
 
     def _make_host_tier(self):
+        if self.shared_host_tier is not None:
+            return self.shared_host_tier
         wants_host = self.cfg.kv_placement != "gpu" or self.cfg.num_cpu_blocks or self.cfg.cpu_kv_cache_gb
         if not wants_host:
             return 0, None, None
@@ -152,7 +155,8 @@ class ModelRunner:
         self.prefill_writes_stream = copy_stream
         # The host pool as the device addresses it, for host-tier prefill's whole-block writes.
         mapped = host_pool if host_pool and self.device.type != "cuda" else None
-        stacked = self.host_pool.device_stacked() if host_pool and self.device.type == "cuda" else None
+        stacked = self.host_pool.device_stacked(self.device.index) if host_pool and self.device.type == "cuda" \
+            else None
         if stacked is not None:
             mapped = [tuple(layer) for layer in stacked]
             # Promotions read it and demotions write it with a Triton kernel: compiled now, not in a run's first move.
@@ -229,9 +233,9 @@ class ModelRunner:
     def close(self) -> None:
         """Releases everything the runner holds, in dependency order; safe on a half-made runner and twice.
         The host lane must be idle (LLMEngine.close stops it first)."""
-        if self.executor is not None:
+        if self.executor is not None and self.shared_host_tier is None:
             self.executor.shutdown()  # after this no host kernel can touch the host pool
-            self.executor = None
+        self.executor = None
         self._release_graphs()
         self.move_staging.release()
         for builder in (self.inputs, self.host_inputs):
@@ -245,9 +249,9 @@ class ModelRunner:
             self.bind_kv_caches([(None, None)] * self.model_cfg.num_layers, None)
         self.accesses.wait_writes()  # no device write may land in host memory once it is unpinned
         self.accesses.wait_promotion_reads()  # nor a device read take place there
-        if self.host_pool is not None:
+        if self.host_pool is not None and self.shared_host_tier is None:
             self.host_pool.close()
-            self.host_pool = None
+        self.host_pool = self.shared_host_tier = None
         self.device_pool = self.device_stacked = self.model = None
         if self.device.type == "cuda" and torch.cuda.is_initialized():
             torch.cuda.empty_cache()  # for the next engine

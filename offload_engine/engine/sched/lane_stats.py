@@ -142,7 +142,7 @@ class LaneStats:
         """A prefill step of `tokens` prompt tokens, `host_tokens` of them host-tier, took `seconds`."""
         if tokens <= 0:
             return
-        if self.device_prefill_elsewhere:  # device-tier prompts cost this device nothing: a host-tier one, all of it
+        if self.device_prefill_elsewhere:  # only split rows prefill here, and their host tokens cost all of it
             if host_tokens:
                 self._host_prefill_extra.add(max(0.0, seconds) / host_tokens)
         elif not host_tokens:
@@ -178,8 +178,8 @@ class LaneStats:
     @property
     def host_prefill_seconds_per_token(self) -> float | None:
         """What a host-tier prompt token's prefill costs this device beyond a device-tier one's (None until
-        measured). Where device-tier prompts prefill on another device (prefill_device) they cost this one nothing,
-        so a host-tier token costs its whole prefill."""
+        measured). Where prompts prefill on another device (prefill_device) they cost this one nothing, except split
+        rows, which prefill here: a host-tier token then costs its whole prefill step."""
         return self._host_prefill_extra.value
 
     @property

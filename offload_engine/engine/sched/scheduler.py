@@ -311,9 +311,10 @@ class Scheduler:
 
 
 def prefills_on_lane(seq: Sequence) -> bool:
-    """Whether a prompt chunk runs on the prefill lane, where there is one: unsplit device-tier rows. The others
-    write the host pool, which only the decode runner does."""
-    return seq.location == BlockLocation.GPU and not seq.is_split
+    """Whether a prompt chunk runs on the prefill lane, where there is one: unsplit rows, their KV landing in the tier
+    they decode from (the decode device's pool, or the host pool the lane writes too). A split row's device part is
+    the decode device's alone, so it prefills there."""
+    return not seq.is_split
 
 
 def _waits_for_sibling(seq: Sequence) -> bool:

@@ -15,6 +15,11 @@ class ExecutorWrites:
     def pending(self) -> bool:
         return not all(write.done() for write in self._writes)
 
+    def take(self) -> list[Future]:
+        """Hands the writes queued so far to the caller, who then answers for their outcome (the prefill lane)."""
+        writes, self._writes = self._writes, []
+        return writes
+
     def settle(self) -> None:
         """Waits for every write queued so far, raising the first that failed."""
         writes, self._writes = self._writes, []

@@ -16,6 +16,11 @@ class HostPoolAccesses:
         setattr(self, kind, event)
         return event
 
+    def marks(self) -> list:
+        """The events of every access to host blocks queued so far (reads and writes), for another device's runner
+        to wait on before it touches host blocks (the prefill lane)."""
+        return [e for e in (self.promotion_reads, self.demotion_writes, self.prefill_writes) if e is not None]
+
     def wait_writes(self) -> None:
         """Blocks until the device's writes into host blocks (demoted KV, host-tier prefill) have landed."""
         for event in (self.demotion_writes, self.prefill_writes):

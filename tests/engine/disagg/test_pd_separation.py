@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offload_engine import LLM, SamplingParams
-from offload_engine.engine.sequence import BlockLocation
+from offload_engine.engine.sequence import BlockLocation, Sequence
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
@@ -43,8 +43,9 @@ def _check_idle(llm: LLM) -> None:
     engine = llm.engine
     assert not engine.has_work() and engine.pending is None
     assert not engine.prefill.busy
-    gpu = engine.blocks.pool(BlockLocation.GPU)
-    assert gpu.num_free == gpu.num_blocks
+    for location in (BlockLocation.GPU, BlockLocation.CPU):
+        pool = engine.blocks.pool(location)
+        assert pool.num_free == pool.num_blocks
 
 
 def _count_lane_chunks(lane) -> dict[int, int]:
@@ -60,28 +61,59 @@ def _count_lane_chunks(lane) -> dict[int, int]:
     return chunks
 
 
+def _count_decode_device_prefills(llm: LLM) -> list[Sequence]:
+    """Records, from now on, the rows of every prefill step the decode device runs, as they stand then."""
+    rows, prefill = [], llm.engine.runner.prefill
+
+    def recording_prefill(seqs):
+        rows.extend((seq, seq.location, seq.is_split) for seq in seqs)
+        return prefill(seqs)
+
+    llm.engine.runner.prefill = recording_prefill
+    return rows
+
+
 @pytest.mark.parametrize("placement", ["gpu", "cpu", "auto"])
 def test_greedy_matches_transformers_in_every_placement(qwen3_dir, pd, placement):
     """Prompts longer than max_num_batched_tokens take several lane steps; under "auto" rows are demoted to the
-    host lane and promoted back; "cpu" rows prefill on the decode device (their KV goes to its host pool)."""
+    host lane and promoted back. Every unsplit prompt prefills on the lane, its KV landing in the tier it decodes
+    from: the decode device's pool (crossing by the handoff) or the host pool (written by the lane)."""
     prompts = random_prompts((30, 31, 17, 5, 40, 22, 9, 35), 256, seed=70)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
     llm = LLM(qwen3_dir, kv_placement=placement, max_num_batched_tokens=24, **POOLS[placement], **pd)
     lane, scheduler = llm.engine.prefill, llm.engine.scheduler
-    chunks = _count_lane_chunks(lane)
+    chunks, on_decode_device = _count_lane_chunks(lane), _count_decode_device_prefills(llm)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     for output, ref in zip(outputs, hf_greedy(qwen3_dir, prompts, 20)):
         assert output.token_ids[: len(ref)] == ref  # (transformers stops at eos)
-    on_device = [len(p) for p, o in zip(prompts, outputs) if o.kv_location == "gpu"]
+    # All but its last token at least (a chunk that leaves one makes it a decode row), the long ones in several steps.
+    assert all(is_split for _, _, is_split in on_decode_device)
+    assert len(chunks) == len(prompts) - len({seq.seq_id for seq, _, _ in on_decode_device})
+    assert lane.num_prompt_tokens >= sum(map(len, prompts)) - 2 * len(prompts) and max(chunks.values()) >= 2
+    on_device = [o for o in outputs if o.kv_location == "gpu"]
     if placement == "cpu":
-        assert lane.num_steps == 0 and not on_device
+        assert not on_device and lane.handoff.num_sent_blocks == 0
     else:
-        # Every device-tier prompt was prefilled on the lane (all but its last token at least: a chunk that leaves
-        # one makes it a decode row), the long ones in several steps, and its KV crossed.
-        assert lane.num_prompt_tokens >= sum(on_device) - len(on_device) and lane.handoff.num_sent_blocks
-        assert len(chunks) == len(on_device) and max(chunks.values()) >= 2
+        assert on_device and lane.handoff.num_sent_blocks
     if placement == "auto":
-        assert on_device and scheduler.num_demotions > 0 and scheduler.num_promotions > 0
+        assert scheduler.num_demotions > 0 and scheduler.num_promotions > 0
+    _check_idle(llm)
+    llm.close()
+
+
+def test_host_tier_prompts_hit_host_blocks_the_lane_and_the_decode_device_wrote(qwen3_dir, pd):
+    """A prompt that repeats a host-tier one with its completion hits host blocks the lane wrote (its prompt) and
+    ones the decode device's host lane wrote (its decode steps); the lane stages both from the host pool."""
+    llm = LLM(qwen3_dir, kv_placement="cpu", max_num_batched_tokens=24, **POOLS["cpu"], **pd)
+    first = random_prompts((20,), 256, seed=74)
+    out = llm.generate(first, SamplingParams(temperature=0, max_tokens=30, ignore_eos=True), use_tqdm=False)
+    blocks, lane = llm.engine.blocks, llm.engine.prefill
+    hits, lane_tokens = blocks.num_prefix_hit_tokens, lane.num_prompt_tokens
+    second = [first[0] + out[0].token_ids + random_prompts((7,), 256, seed=75)[0]]
+    again = llm.generate(second, GREEDY, use_tqdm=False)
+    assert blocks.num_prefix_hit_tokens - hits == 48 and lane.num_prompt_tokens > lane_tokens
+    assert again[0].kv_location == "cpu"
+    assert again[0].token_ids == hf_greedy(qwen3_dir, second, GREEDY.max_tokens)[0]
     _check_idle(llm)
     llm.close()
 
@@ -179,14 +211,17 @@ def test_decode_steps_run_while_a_prefill_is_on_the_lane(qwen3_dir, pd):
     llm.close()
 
 
-@pytest.mark.parametrize("async_scheduling", [True, False])
-def test_no_request_is_lost(qwen3_dir, pd, async_scheduling):
+SMALL_POOLS = {"gpu": dict(num_gpu_blocks=5), "cpu": dict(num_gpu_blocks=4, num_cpu_blocks=5, cpu_block_size=16)}
+
+
+@pytest.mark.parametrize("placement,async_scheduling", [("gpu", True), ("gpu", False), ("cpu", True)])
+def test_no_request_is_lost(qwen3_dir, pd, placement, async_scheduling):
     """Many requests through few rows and a small pool: some end at their first token (sampled on the lane), some
     are preempted and recomputed on the lane, every one comes back whole, and every block is free at the end."""
     prompts = random_prompts([5 + (7 * i) % 40 for i in range(14)], 256, seed=75)
     params = [SamplingParams(temperature=0, max_tokens=1 + (5 * i) % 16, ignore_eos=True) for i in range(14)]
-    llm = LLM(qwen3_dir, kv_placement="gpu", num_gpu_blocks=5, max_num_seqs=4, max_num_batched_tokens=32,
-              async_scheduling=async_scheduling, **pd)
+    llm = LLM(qwen3_dir, kv_placement=placement, max_num_seqs=4, max_num_batched_tokens=32,
+              async_scheduling=async_scheduling, **SMALL_POOLS[placement], **pd)
     outputs = llm.generate(prompts, params, use_tqdm=False)
     refs = hf_greedy(qwen3_dir, prompts, 16)
     for output, ref, p in zip(outputs, refs, params):
@@ -210,13 +245,15 @@ def test_seeded_sampling_equals_the_engine_without_pd(qwen3_dir, pd):
     assert tokens[0] == tokens[1]
 
 
-def test_an_error_mid_run_leaves_the_engine_usable(qwen3_dir, pd):
-    """A decode step fails while a prompt computes on the lane: abort waits for the lane's step and its copies,
-    drops every request, and the next generate() is exact."""
-    llm = LLM(qwen3_dir, kv_placement="gpu", num_gpu_blocks=32, max_num_batched_tokens=16, **pd)
+@pytest.mark.parametrize("placement", ["gpu", "cpu"])
+def test_an_error_mid_run_leaves_the_engine_usable(qwen3_dir, pd, placement):
+    """A decode step fails while a prompt computes on the lane: abort waits for the lane's step and its copies (or
+    its host writes), drops every request, and the next generate() is exact."""
+    pools = {"gpu": POOLS["gpu"], "cpu": POOLS["cpu"]}[placement]
+    llm = LLM(qwen3_dir, kv_placement=placement, max_num_batched_tokens=16, **pools, **pd)
     lane_runner, decode_runner = llm.engine.prefill.runner, llm.engine.runner
     lane_prefill = lane_runner.prefill
-    decode_steps = {name: getattr(decode_runner, name) for name in ("prefill", "launch_device_decode")}
+    decode_steps = {name: getattr(decode_runner, name) for name in ("prefill", "launch_device_decode", "decode_host")}
     calls = []
 
     def slow_lane_prefill(seqs):
@@ -224,11 +261,11 @@ def test_an_error_mid_run_leaves_the_engine_usable(qwen3_dir, pd):
         return lane_prefill(seqs)
 
     def failing(step):
-        def failing_step(seqs):
+        def failing_step(seqs, *args):
             calls.append(step)
             if len(calls) == 3:
                 raise RuntimeError("a failed step")
-            return step(seqs)
+            return step(seqs, *args)
         return failing_step
 
     lane = llm.engine.prefill
