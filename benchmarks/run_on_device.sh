@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
-#   placement-ab, long-context-c, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
+#   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
 #   tp-all-reduce, tests-multi-gpu, tp-check, decode-tiles
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
@@ -128,6 +128,11 @@ case "${1:-check}" in
     # offloaded, against the ceilings measured first (bench_long_context.py, within --deadline-s 540); LC_FLAGS:
     # e.g. --skip-peer
     step long_context_c 570 python3 -m benchmarks.bench_long_context --workload c --out-dir "$OUT" ${LC_FLAGS:-}
+    ;;
+  long-context-c256)  # c with 256 new tokens (workload c256): auto with and without streaming and transformers
+    # offloaded (given the time to finish), no cpu run (~8-9 min)
+    step long_context_c256 590 python3 -m benchmarks.bench_long_context --workload c256 --skip-cpu --deadline-s 580 \
+      --out-dir "$OUT" ${LC_FLAGS:-}
     ;;
   long-context-8b)  # 8B shape, 8 x (32,768 + 256) at a 24 GB card's 3,296 blocks: the same runs; the cpu run is
     # skipped (and recorded) when too little time is left, the peer takes what is left. LC_FLAGS: e.g. --skip-cpu
