@@ -124,7 +124,7 @@ class PrefillLane:
             lands = [_leaves_prefill(seq) or seq.location == BlockLocation.CPU for seq in chunks.rows]
             finished += self._take_in(_pick(chunks, [not f for f in lands]), scheduler)
             if any(lands):
-                self.landing.append(_pick(chunks, lands))
+                self.landing.append(_pick(chunks, lands, host_writes=True))
         while self.landing and self._landed(self.landing[0]):
             finished += self._take_in(self.landing.pop(0), scheduler)
         return finished, num_tokens, seconds
@@ -180,6 +180,8 @@ def _leaves_prefill(seq: Sequence) -> bool:
     return len(seq) - (seq.num_computed_tokens + seq.num_scheduled_tokens) <= 1
 
 
-def _pick(chunks: _Chunks, keep: list[bool]) -> _Chunks:
+def _pick(chunks: _Chunks, keep: list[bool], host_writes: bool = False) -> _Chunks:
+    """The kept rows of chunks; with host_writes, the step's host writes go with them (the rows that wait for them)."""
     pick = lambda items: [item for item, k in zip(items, keep) if k]
-    return _Chunks(pick(chunks.rows), pick(chunks.blocks), pick(chunks.tokens), chunks.landed)
+    writes = (chunks.host_writes, chunks.host_landed) if host_writes else ([], None)
+    return _Chunks(pick(chunks.rows), pick(chunks.blocks), pick(chunks.tokens), chunks.landed, *writes)

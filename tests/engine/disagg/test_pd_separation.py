@@ -7,6 +7,7 @@ cuda:1 (decode) and cuda:0 (prefill), and the tests skip on a host with fewer th
 import gc
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 import torch
@@ -149,6 +150,40 @@ def test_prefix_hits_made_on_either_device(qwen3_dir, pd):
     last = llm.generate(third, GREEDY, use_tqdm=False)
     assert handoff.num_filled_blocks == 2 and blocks.num_prefix_hit_tokens - hits_before == 48 + 32
     assert [again[0].token_ids, last[0].token_ids] == hf_greedy(qwen3_dir, second + third, GREEDY.max_tokens)
+    _check_idle(llm)
+    llm.close()
+
+
+def test_a_host_tier_chunk_waits_for_the_decode_devices_host_accesses_and_is_taken_in_once_written(qwen3_dir, pd):
+    """The lane waits for the host-pool accesses the decode device queued before its batch (a promotion may still
+    read a block just freed), and a host-tier chunk's row comes back only once the lane's host writes have landed
+    (taking it in registers its blocks for prefix hits)."""
+    llm = LLM(qwen3_dir, kv_placement="cpu", max_num_batched_tokens=24, **POOLS["cpu"], **pd)
+    lane, order = llm.engine.prefill, []
+
+    class Access:
+        def synchronize(self):
+            order.append("decode-device access waited for")
+
+    llm.engine.runner.accesses.marks = lambda: [Access()]
+    lane_prefill, take_writes = lane.runner.prefill, lane.runner.executor_writes.take
+    lane.runner.prefill = lambda seqs: order.append("lane prefill") or lane_prefill(seqs)
+    held, released = Future(), []
+
+    def release():
+        time.sleep(0.3)
+        released.append(time.perf_counter())
+        held.set_result(None)
+
+    lane.runner.executor_writes.take = lambda: take_writes() + [held]
+    scheduler_postprocess, taken_in = llm.engine.scheduler.postprocess, []
+    llm.engine.scheduler.postprocess = lambda rows, tokens: (rows and taken_in.append(time.perf_counter())) or \
+        scheduler_postprocess(rows, tokens)
+    threading.Thread(target=release).start()
+    out = llm.generate(random_prompts((20,), 256, seed=79), GREEDY, use_tqdm=False)
+    assert order[:2] == ["decode-device access waited for", "lane prefill"]
+    assert taken_in and min(taken_in) >= released[0]
+    assert out[0].token_ids == hf_greedy(qwen3_dir, random_prompts((20,), 256, seed=79), GREEDY.max_tokens)[0]
     _check_idle(llm)
     llm.close()
 
