@@ -107,7 +107,7 @@ class PrefillLane:
         with self.handoff.on_prefill_device():
             chunks.tokens = self.runner.prefill(chunks.rows)
             chunks.landed = self.handoff.send(written, marks) if written else None
-        if host_marks or any(seq.location == BlockLocation.CPU for seq in chunks.rows):
+        if any(seq.location == BlockLocation.CPU for seq in chunks.rows):
             chunks.host_writes = self.runner.executor_writes.take()
             chunks.host_landed = self.runner.accesses.prefill_writes
         return time.perf_counter() - began
