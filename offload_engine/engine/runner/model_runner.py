@@ -8,15 +8,15 @@ import time
 
 import torch
 
-from cpu_attention.kv_pool import HostKVPool, host_pool_blocks
 from kernels.host_block_copies import compile_host_block_copies
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
-from offload_engine.distributed.parallel_state import Partition, ranks_on_this_host
+from offload_engine.distributed.parallel_state import Partition
 from offload_engine.engine.graphs.graph_dispatch import GraphDispatcher, GraphMode
 from offload_engine.engine.graphs.prefill_graphs import capture_prefill_graphs
 from offload_engine.engine.runner.cuda_streams import engine_stream
 from offload_engine.engine.runner.deferred_tokens import DeferredTokens
+from offload_engine.engine.runner.host_tier import make_host_tier
 from offload_engine.engine.runner.device_decode import DeviceLaneDecode
 from offload_engine.engine.runner.memory_profile import (allocate_device_pool, layer_views, reserve_step_memory,
                                                          size_device_pool, stream_capacity_blocks)
@@ -78,7 +78,7 @@ class ModelRunner:
         self.backend = select_backend(self.cfg.attention_backend, self.device, self.cfg.block_size, self.dtype,
                                       self.model_cfg.head_dim)
         # The host tier first: its numba compile and page-locking run on threads while the weights load.
-        self.num_cpu_blocks, self.host_pool, self.executor = self._make_host_tier()
+        self.num_cpu_blocks, self.host_pool, self.executor = make_host_tier(self)
         if self.host_pool is not None and self.device.type == "cuda":
             self.ring = PinnedRing()
         self.model = build_model(self.whole_model_cfg, model_dir, self.dtype, self.device,
@@ -128,27 +128,6 @@ class ModelRunner:
     def wanted_blocks(self, block_size: int) -> int:
         """Enough blocks for max_num_seqs sequences of max_model_len: more can never be used at once."""
         return self.cfg.max_num_seqs * -(-self.max_model_len // block_size)
-
-    def _make_host_tier(self):
-        if self.shared_host_tier is not None:
-            return self.shared_host_tier
-        wants_host = self.cfg.kv_placement != "gpu" or self.cfg.num_cpu_blocks or self.cfg.cpu_kv_cache_gb
-        if not wants_host:
-            return 0, None, None
-        from cpu_attention.executor import CpuAttentionExecutor, host_threads
-
-        size = self.cfg.cpu_block_size
-        # Counted in the whole model's bytes: every rank holds the same blocks, each with its share of the heads,
-        # so cpu_kv_cache_gb and the cap on spare memory are for all ranks together, as with one.
-        blocks = self.agreed(host_pool_blocks(self.block_bytes(size) * self.tp.size, self.cfg.num_cpu_blocks,
-                                               self.cfg.cpu_kv_cache_gb, self.wanted_blocks(size)))
-        cfg = self.model_cfg
-        # numba compiles this dtype's kernels on the executor's thread now, joined once the weights are in.
-        executor = CpuAttentionExecutor(num_threads=host_threads(ranks_on_this_host(self.tp.size)),
-                                        dtypes=(self.dtype,))
-        pool = HostKVPool(cfg.num_layers, blocks, cfg.num_kv_heads, size, cfg.head_dim, self.dtype,
-                          pin_device=self.device if self.device.type == "cuda" else None)
-        return blocks, pool, executor
 
     def bind_kv_caches(self, device_pool, host_pool) -> None:
         copy_stream = engine_stream(self.device, "prefill-writes") if self.ring is not None else None
