@@ -6,7 +6,8 @@
   8B shapes) on one GPU and with `prefill_device`, in "gpu" and "auto" at the same device budget per decode GPU.
   Ratio: PD tok/s over one GPU's.
 - `tp`: the 8B shape, decode-heavy (64 x (1024 + 1024)), tensor_parallel_size=2 against 1: "gpu" at a budget both
-  hold, and "auto" at a budget beyond what one GPU's pool holds of the batch (the suite's 24 GiB-card budget).
+  hold, "gpu" and "auto" at the suite's 24 GiB-card budget (3,296 blocks, beyond what it holds of the batch), and N
+  24 GiB cards against one (entry_tp).
 - `greedy`: the tiny models of the test suite in float32, greedy tokens of PD and of TP=2 against the single-GPU
   engine's (and against each other), so the measured modes are known to compute the same thing.
 
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 
 from benchmarks.bench_throughput import model_dir  # noqa: E402
 from benchmarks.engine_run import measure, random_prompts  # noqa: E402
-from benchmarks.workloads import PROFILES, QWEN3_8B_ON_24_GIB  # noqa: E402
+from benchmarks.workloads import PROFILES, QWEN3_8B_ON_24_GIB, blocks_beside_weights  # noqa: E402
 
 BLOCK_SIZE = 16
 
@@ -83,8 +84,10 @@ def entry_pd(cache: str, models: list[str], keep) -> dict:
 
 
 def entry_tp(cache: str, sizes: list[int], keep) -> dict:
-    """TP=N against TP=1 on the 8B shape, decode-heavy; auto at a budget that holds ~0.4 of the batch's KV (per GPU:
-    each rank's pool holds its share of every block)."""
+    """TP=N against TP=1 on the 8B shape, decode-heavy: "gpu" at a budget both hold (the whole batch); "gpu" and
+    "auto" at a 24 GiB card's 3,296 blocks for both (each rank's pool holds its share of every block); and TP=N on
+    N 24 GiB cards, each holding 1/N of the weights and of every block (blocks_beside_weights), against TP=1 on one.
+    Where N cards hold the whole batch, that is the first budget's run, not run again."""
     spec = next(s for s in PROFILES["full"].b if s.name == "dh" and s.model == "qwen3-8b")
     path = model_dir(spec.model, cache)
     modes = {"tp1": dict(device="cuda:0"), **{f"tp{n}": dict(device="cuda:0", tensor_parallel_size=n) for n in sizes}}
@@ -93,7 +96,20 @@ def entry_tp(cache: str, sizes: list[int], keep) -> dict:
     _budget_runs(path, spec, QWEN3_8B_ON_24_GIB, modes, runs, keep, placements=("gpu", "auto"))
     ratios = {key: value for n in sizes for key, value in _ratios(runs, f"tp{n}", "tp1").items()}
     ratios.update({f"auto/gpu:tp{n}@{QWEN3_8B_ON_24_GIB}": _placement_ratio(runs, f"tp{n}") for n in sizes})
+    for n in sizes:
+        budget = min(total, blocks_beside_weights(spec.model, card_gib=24, tp=n))
+        if budget != total:
+            _budget_runs(path, spec, budget, {f"tp{n}": modes[f"tp{n}"]}, runs, keep, placements=("gpu",))
+        ratios[f"gpu:tp{n}@24GiB-cards/tp1@24GiB-card"] = _rate(runs, "gpu", f"tp{n}", budget) / _rate(
+            runs, "gpu", "tp1", QWEN3_8B_ON_24_GIB)
     return {"runs": runs, "ratios": ratios}
+
+
+def _rate(runs: list[dict], placement: str, mode: str, budget: int) -> float:
+    """Output tok/s of one run (nan where it failed, so that its ratio reads nan rather than stopping the entry)."""
+    found = [r.get("output_tok_per_s") for r in runs
+             if (r["placement"], r["mode"], r["budget_blocks"]) == (placement, mode, budget)]
+    return found[0] if found and found[0] else float("nan")
 
 
 def _placement_ratio(runs: list[dict], mode: str) -> float | None:
@@ -214,7 +230,6 @@ def main() -> None:
         write(entry, {"greedy": lambda: entry_greedy(sizes), "pd": lambda: entry_pd(args.cache, args.pd_models, keep),
                       "tp": lambda: entry_tp(args.cache, sizes, keep),
                       "tp_steps": lambda: entry_tp_steps(args.cache, sizes)}[entry]())
-        print(json.dumps(found[entry].get("ratios", found[entry].get("equal")), indent=1), flush=True)
         print(json.dumps(found[entry].get("ratios", found[entry].get("equal")), indent=1), flush=True)
 
 

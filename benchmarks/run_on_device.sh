@@ -5,7 +5,7 @@
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
-#   tp-all-reduce, tests-multi-gpu, tp-check, decode-tiles
+#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -263,7 +263,8 @@ case "${1:-check}" in
     # test named as it ends and a stack dump for one past 240 s: $OUT/gpu_tests_multi_gpu.txt
     make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
     OFFLOAD_ENGINE_TEST_DEVICE=cuda timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -v -rs --durations=10 \
-      -o faulthandler_timeout=240 tests/distributed tests/engine/disagg > "$OUT/gpu_tests_multi_gpu.txt" 2>&1
+      -o faulthandler_timeout=240 tests/distributed tests/engine/disagg tests/test_two_devices.py \
+      > "$OUT/gpu_tests_multi_gpu.txt" 2>&1
     grep -E "passed|failed|FAILED|Timeout" "$OUT/gpu_tests_multi_gpu.txt" | tail -n 15
     ;;
   tp-all-reduce)  # issue 61 on GPUs 0-1: one all-reduce in a graph, NCCL against the symmetric one-shot
@@ -274,6 +275,14 @@ case "${1:-check}" in
       step tp_steps_$choice 300 env OFFLOAD_ENGINE_ALL_REDUCE=$choice python3 -m benchmarks.bench_multi_gpu \
         --entries tp_steps --tp-sizes 2 --out-dir "$OUT/steps_$choice"
     done
+    ;;
+  tp-two-gpus)  # issue 61 on a host of two GPUs, first call: one all-reduce in a graph (NCCL against the one-shot),
+    # the TP step's wall over its graph per rank with the one-shot, then the tests of several GPUs with it; every
+    # rank prints its stacks just before a step's limit (OFFLOAD_ENGINE_STACKS_AFTER_S)
+    step all_reduce 100 python3 -m benchmarks.bench_all_reduce --gpus 2 --out "$OUT/all_reduce.json"
+    step tp_steps 190 env OFFLOAD_ENGINE_ALL_REDUCE=auto OFFLOAD_ENGINE_STACKS_AFTER_S=150 python3 -m \
+      benchmarks.bench_multi_gpu --entries tp_steps --tp-sizes 2 --out-dir "$OUT"
+    OFFLOAD_ENGINE_ALL_REDUCE=auto SHARD_LIMIT=${SHARD_LIMIT:-280} bash "$0" tests-multi-gpu
     ;;
   multi-gpu-steps)  # a TP decode step's wall against its graph's GPU time on every rank, then greedy agreement
     step multi_gpu_tp_steps 400 python3 -m benchmarks.bench_multi_gpu --entries tp_steps --out-dir "$OUT"

@@ -51,9 +51,12 @@ class Profile:
     peer_seconds: float = 90.0  # a peer generates for at most this long per workload (whole batches first)
 
 
-def blocks_beside_weights(config: str, card_gib: float, reserve_gib: float = 1.5, block_size: int = 16) -> int:
+def blocks_beside_weights(config: str, card_gib: float, reserve_gib: float = 1.5, block_size: int = 16,
+                          tp: int = 1) -> int:
     """The device KV pool, in blocks, that a card of card_gib leaves beside a model's bf16 weights and a fixed
     activation/graph reserve. Parameters are counted from the config's shape (embedding, attention, MLP, norms).
+    Under tensor parallelism of `tp` ranks, each card holds 1/tp of the weights and of every block (the norms,
+    replicated, are ignored).
 
     qwen3-8b on a 24 GiB card: 2 x 151,936 x 4,096 (embedding and its untied lm_head) + 36 x [4,096 x
     (32 + 2 x 8) x 128 (q, k, v) + 32 x 128 x 4,096 (o) + 3 x 4,096 x 12,288 (MLP) + 2 x 4,096 + 2 x 128
@@ -70,7 +73,7 @@ def blocks_beside_weights(config: str, card_gib: float, reserve_gib: float = 1.5
     embeddings = (1 if c.get("tie_word_embeddings") else 2) * c["vocab_size"] * hidden
     weight_bytes = 2 * (embeddings + layers * (attention + mlp + norms) + hidden)
     kv_bytes_per_block = block_size * 2 * layers * kv_heads * head_dim * 2
-    return int(((card_gib - reserve_gib) * 2**30 - weight_bytes) // kv_bytes_per_block)
+    return int(((card_gib - reserve_gib) * 2**30 - weight_bytes / tp) // (kv_bytes_per_block / tp))
 
 
 def mixed_lengths(num_seqs: int, prompt_len: int, output_len: int, spread: float = 0.0,

@@ -3,6 +3,7 @@ engine lane, so that one lane's collectives pair up across ranks, never with the
 engine per process. Why: docs/decisions/multi-gpu.md, "One process group per lane, and the `after` count"."""
 import dataclasses
 import datetime
+import faulthandler
 import os
 import threading
 import warnings
@@ -18,6 +19,8 @@ STORE_PREFIX = "offload-engine/pg"  # launched ranks' process group keys, apart 
 # Bounds a hang (a rank stuck in a bug); a rank that dies is noticed at once (workers.py's watcher).
 COLLECTIVE_TIMEOUT = datetime.timedelta(seconds=300)
 ABORT_PATIENCE = 30.0  # s that leaving the groups waits for an abort in progress
+STACKS_ENV = "OFFLOAD_ENGINE_STACKS_AFTER_S"  # set: every rank prints its threads' stacks to stderr that long after
+# joining (once), so that a run stopped by a time limit shows where each rank was
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,6 +80,8 @@ def init(rank: int, size: int, device: torch.device, store: "str | dist.Store", 
     """Joins the engine's ranks: NCCL on GPUs, gloo on the CPU; they meet at `store` (a file's path for spawned
     ranks, the launcher's store under STORE_PREFIX for launched ones)."""
     global _groups
+    if os.environ.get(STACKS_ENV):
+        faulthandler.dump_traceback_later(float(os.environ[STACKS_ENV]), exit=False)
     if dist.is_initialized():
         raise ValueError("torch.distributed is already initialized in this process (another tensor-parallel engine, "
                          "or a process group of your own): close that LLM, or destroy the group, first")
