@@ -46,14 +46,41 @@ def _budget_runs(path: str, spec, budget: int, modes: dict[str, dict], runs: lis
                 kwargs["cpu_kv_cache_gb"] = round(1.1 * spec.num_seqs * seq_len * _kv_bytes(path) / 2**30 + 0.5, 1)
             print(f"  {spec.model} {spec.num_seqs} x ({spec.prompt_len}+{spec.output_len}) {placement} {mode} "
                   f"@{budget} blocks", flush=True)
-            try:
-                result = measure(path, prompts, [spec.output_len] * spec.num_seqs, **kwargs)
-            except (ValueError, RuntimeError, torch.OutOfMemoryError) as error:
-                result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+            result = measure_apart(path, prompts, [spec.output_len] * spec.num_seqs, **kwargs)
             print(f"    {result.get('output_tok_per_s', 0):.0f} output tok/s {result.get('error', '')}", flush=True)
             runs.append({"placement": placement, "mode": mode, "budget_blocks": budget, **result})
             keep(runs)
     return runs
+
+
+def measure_apart(path: str, prompts: list, output_lens: list, **kwargs) -> dict:
+    """engine_run.measure in a process of its own ({"error": ...} where it failed), so that every run starts as a
+    user's would: symmetric memory serves only a process's first tensor-parallel engine (parallel_state), and no run
+    inherits another's allocator or compiled state. The result names the run's all-reduce ("all_reduce")."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("spawn")
+    receive, send = context.Pipe(duplex=False)
+    process = context.Process(target=_measure_child, args=(send, path, prompts, output_lens, kwargs))
+    process.start()
+    send.close()
+    try:
+        result = receive.recv()
+    except EOFError:
+        result = None
+    process.join()
+    return result or {"error": f"the run's process ended with code {process.exitcode} and no result"}
+
+
+def _measure_child(send, path: str, prompts: list, output_lens: list, kwargs: dict) -> None:
+    from offload_engine.distributed import parallel_state
+
+    try:
+        result = measure(path, prompts, output_lens, **kwargs,
+                         inspect=lambda llm: {"all_reduce": parallel_state.small_all_reduce_path("device")})
+    except (ValueError, RuntimeError, torch.OutOfMemoryError) as error:
+        result = {"error": f"{type(error).__name__}: {str(error)[:300]}"}
+    send.send(result)
 
 
 def _ratios(runs: list[dict], mode: str, baseline: str) -> dict:

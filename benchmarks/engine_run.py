@@ -19,9 +19,10 @@ def weight_bytes(llm) -> int:
 
 
 def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *, lane_stats_before: bool = False,
-            **llm_kwargs) -> dict:
+            inspect=None, **llm_kwargs) -> dict:
     """Output and total tok/s of generating output_lens[i] tokens (ignore_eos) after prompts[i]. lane_stats_before:
-    also give the lane stats as they stood right before the timed call ("lane_stats_before"), for deltas over it."""
+    also give the lane stats as they stood right before the timed call ("lane_stats_before"), for deltas over it.
+    inspect: a function of the LLM whose dict joins the result, called before the LLM closes."""
     start = time.perf_counter()
     llm = LLM(model_dir, **llm_kwargs)
     startup = time.perf_counter() - start
@@ -77,6 +78,8 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *,
     }
     if lane_stats_before:
         result["lane_stats_before"] = stats_before
+    if inspect is not None:
+        result.update(inspect(llm))
     llm.close()
     del llm
     if torch.cuda.is_available():

@@ -269,20 +269,21 @@ case "${1:-check}" in
     ;;
   tp-all-reduce)  # issue 61 on GPUs 0-1: one all-reduce in a graph, NCCL against the symmetric one-shot
     # (bench_all_reduce), then the TP decode step with each (OFFLOAD_ENGINE_ALL_REDUCE=nccl, then auto)
-    step all_reduce 150 python3 -m benchmarks.bench_all_reduce --gpus 2 --out "$OUT/all_reduce.json"
+    step all_reduce 100 python3 -m benchmarks.bench_all_reduce --gpus 2 --out "$OUT/all_reduce.json"
     for choice in nccl auto; do
       mkdir -p "$OUT/steps_$choice"
-      step tp_steps_$choice 300 env OFFLOAD_ENGINE_ALL_REDUCE=$choice python3 -m benchmarks.bench_multi_gpu \
+      step tp_steps_$choice 190 env OFFLOAD_ENGINE_ALL_REDUCE=$choice python3 -m benchmarks.bench_multi_gpu \
         --entries tp_steps --tp-sizes 2 --out-dir "$OUT/steps_$choice"
     done
     ;;
-  tp-two-gpus)  # issue 61 on a host of two GPUs, first call: one all-reduce in a graph (NCCL against the one-shot),
-    # the TP step's wall over its graph per rank with the one-shot, then the tests of several GPUs with it; every
-    # rank prints its stacks just before a step's limit (OFFLOAD_ENGINE_STACKS_AFTER_S)
-    step all_reduce 100 python3 -m benchmarks.bench_all_reduce --gpus 2 --out "$OUT/all_reduce.json"
-    step tp_steps 190 env OFFLOAD_ENGINE_ALL_REDUCE=auto OFFLOAD_ENGINE_STACKS_AFTER_S=150 python3 -m \
-      benchmarks.bench_multi_gpu --entries tp_steps --tp-sizes 2 --out-dir "$OUT"
-    OFFLOAD_ENGINE_ALL_REDUCE=auto SHARD_LIMIT=${SHARD_LIMIT:-280} bash "$0" tests-multi-gpu
+  tp-two-gpus)  # issue 61 on a host of two GPUs: the test that hung (a worker's error while rank 0 waits in a
+    # collective) alone, with every process's stacks after 90 s; then one all-reduce in a graph, NCCL against the
+    # one-shot, and the TP step with each (tp-all-reduce)
+    make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
+    OFFLOAD_ENGINE_TEST_DEVICE=cuda OFFLOAD_ENGINE_STACKS_AFTER_S=90 timeout 150 .venv/bin/python -m pytest -v -s \
+      -o faulthandler_timeout=90 "tests/distributed/test_tp_lifecycle.py::test_a_worker_error_surfaces_on_rank_0" \
+      > "$OUT/worker_error_test.txt" 2>&1; echo "--- worker error test exit $?"; tail -n 40 "$OUT/worker_error_test.txt"
+    bash "$0" tp-all-reduce
     ;;
   multi-gpu-steps)  # a TP decode step's wall against its graph's GPU time on every rank, then greedy agreement
     step multi_gpu_tp_steps 400 python3 -m benchmarks.bench_multi_gpu --entries tp_steps --out-dir "$OUT"

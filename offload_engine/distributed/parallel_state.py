@@ -12,7 +12,7 @@ from contextlib import contextmanager
 import torch
 import torch.distributed as dist
 
-from offload_engine.distributed.symmetric_all_reduce import SymmetricAllReduce, try_make
+from offload_engine.distributed.symmetric_all_reduce import SymmetricAllReduce, try_make, wanted
 
 LANES = ("device", "host")
 STORE_PREFIX = "offload-engine/pg"  # launched ranks' process group keys, apart from the launcher's own
@@ -64,11 +64,37 @@ class _Groups:
         self.symmetric = {name: self._symmetric(group, dtype) for name, group in self.lanes.items()}
 
     def _symmetric(self, group, dtype: torch.dtype) -> "SymmetricAllReduce | None":
-        """The lane's small-tensor all-reduce, where every rank could make it (else none uses it: they must agree)."""
+        """The lane's small-tensor all-reduce, where every rank could make it (else none uses it: they must agree).
+        The ranks agree before the rendezvous too, which is collective: a rank that would not join it (another
+        engine of its process made one for this group name) would leave the others waiting in it."""
+        if not self._every_rank(_may_make_symmetric(self.device, group.group_name), group):
+            return None
         made = try_make(group, self.device, dtype)
-        flag = torch.tensor([int(made is not None)], device=self.device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
-        return made if flag.item() == 1 else None
+        _symmetric_names.add(group.group_name)
+        return made if self._every_rank(made is not None, group) else None
+
+    def _every_rank(self, flag: bool, group) -> bool:
+        tensor = torch.tensor([int(flag)], device=self.device)
+        dist.all_reduce(tensor, op=dist.ReduceOp.MIN, group=group)
+        return tensor.item() == 1
+
+
+_symmetric_names: set[str] = set()  # the process groups this process made symmetric memory for
+
+
+def _may_make_symmetric(device: torch.device, group_name: str) -> bool:
+    """Whether this rank can make symmetric memory for `group_name`. Torch registers a group name's store once per
+    process and keeps it: after an engine closes, the next engine's groups take the same names, and a rendezvous
+    there would go over the closed engine's store and never meet the new ranks. So one engine per process uses it;
+    later ones go through NCCL, with a warning."""
+    if device.type != "cuda" or not wanted():
+        return False
+    if group_name in _symmetric_names:
+        warnings.warn("small all-reduces go through NCCL in this engine: symmetric memory serves the first "
+                      "tensor-parallel engine of a process (torch keeps a process group name's first registration); "
+                      "start each engine in a process of its own to give every one of them the one-shot")
+        return False
+    return True
 
 
 _groups: _Groups | None = None
@@ -163,6 +189,14 @@ def all_reduce(tensor: torch.Tensor) -> torch.Tensor:
 def uses_symmetric_memory(lane_name: str) -> bool:
     """Whether `lane_name`'s small all-reduces go over symmetric memory in this engine."""
     return _groups is not None and _groups.symmetric.get(lane_name) is not None
+
+
+def small_all_reduce_path(lane_name: str) -> "str | None":
+    """How `lane_name`'s small all-reduces go in this process's engine: "symmetric", "nccl" or "gloo" (None: no
+    tensor-parallel engine is open here)."""
+    if _groups is None:
+        return None
+    return "symmetric" if uses_symmetric_memory(lane_name) else _groups.backend
 
 
 def all_gather(tensor: torch.Tensor, dim: int = -1) -> torch.Tensor:

@@ -2,7 +2,8 @@
 all-reduce gives the exactly rounded sum on both ranks, bit for bit, for decode-sized bfloat16 tensors (the
 one-shot) and for those the one-shot does not take (another dtype, too large, a size its vectors do not divide: NCCL
 then), eagerly and replayed in a CUDA graph. Off CUDA, or with OFFLOAD_ENGINE_ALL_REDUCE=nccl, none is made; any
-other value is a clear error."""
+other value is a clear error. A later engine of the same process (whose groups reuse the first one's names, which
+torch registers once) takes NCCL with a warning, where it would otherwise wait in a rendezvous that never meets."""
 import pytest
 import torch
 
@@ -30,6 +31,38 @@ def test_none_is_made_off_cuda_or_when_switched_off(monkeypatch):
     assert try_make(None, torch.device("cpu"), torch.float32) is None
     monkeypatch.setenv(ENV, "nccl")
     assert try_make(None, torch.device("cuda", 0), torch.bfloat16) is None
+
+
+def test_a_group_name_this_process_used_before_is_refused_with_a_warning(monkeypatch):
+    monkeypatch.setenv(ENV, "auto")
+    monkeypatch.setattr(parallel_state, "_symmetric_names", set())
+    gpu = torch.device("cuda", 0)  # never touched: the choice is made before any CUDA work
+    assert parallel_state._may_make_symmetric(gpu, "0")
+    assert not parallel_state._may_make_symmetric(torch.device("cpu"), "0")
+    parallel_state._symmetric_names.add("0")
+    with pytest.warns(UserWarning, match="first tensor-parallel engine of a process"):
+        assert not parallel_state._may_make_symmetric(gpu, "0")
+    assert parallel_state._may_make_symmetric(gpu, "1")
+    monkeypatch.setenv(ENV, "nccl")
+    assert not parallel_state._may_make_symmetric(gpu, "1")
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="two GPUs")
+def test_two_engines_one_after_another_in_one_process_both_give_transformers_tokens(monkeypatch, qwen3_dir):
+    """The first engine's small all-reduces take the one-shot, the second's NCCL; both are exact, neither waits."""
+    from offload_engine import LLM, SamplingParams
+    from tests.oracle import hf_greedy, random_prompts
+
+    monkeypatch.setenv(ENV, "auto")
+    prompts = random_prompts((9, 40), 256, seed=7)
+    fresh = not parallel_state._symmetric_names  # no engine of this process has taken the one-shot yet
+    used = []
+    for _ in range(2):
+        with LLM(qwen3_dir, device="cuda", tensor_parallel_size=2) as llm:
+            used.append(parallel_state.uses_symmetric_memory("device"))
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+            assert [o.token_ids for o in outputs] == hf_greedy(qwen3_dir, prompts, 6)
+    assert used == [fresh, False]
 
 
 def test_gloo_ranks_use_no_symmetric_memory(tmp_path):
