@@ -146,10 +146,13 @@ def _placement_ratio(runs: list[dict], mode: str) -> float | None:
     return rate["auto"] / rate["gpu"] if rate.get("auto") and rate.get("gpu") else None
 
 
-def entry_tp_steps(cache: str, sizes: list[int], batches=(1, 16, 64), context: int = 1024, steps: int = 30) -> dict:
+def entry_tp_steps(cache: str, sizes: list[int], batches=(1, 16, 64), context: int = 1024, steps: int = 30,
+                   profile_dir: str | None = None) -> dict:
     """A decode step's wall time against its graph's GPU time on every rank (bench_engine_step's ratio), 8B shape,
     "gpu", at TP=1 and each of `sizes`: rank 0's from its own timer, the workers' from their step times
-    (offload_engine/distributed/step_times.py): the period between their queued steps, and their replays."""
+    (offload_engine/distributed/step_times.py): the period between their queued steps, and their replays.
+    profile_dir: also rank 0's kernels over 20 decode steps at the smallest and largest batch, per TP size
+    (tp{N}_batch{B}_kernels.txt there): where a TP step's time goes beyond 1/N of one GPU's."""
     from benchmarks.bench_engine_step import step_case
     from benchmarks.engine_run import weight_bytes
     from offload_engine import LLM
@@ -170,6 +173,9 @@ def entry_tp_steps(cache: str, sizes: list[int], batches=(1, 16, 64), context: i
                     kv_bytes, weights = llm.model_config.kv_bytes_per_token(llm.dtype), weight_bytes(llm)
                     cases = [step_case(llm, timer, b, context, steps, kv_bytes, weights, 1.0, seed=b, modes=(True,))
                              for b in batches]
+                    for b in (batches[0], batches[-1]) if profile_dir else ():
+                        with open(os.path.join(profile_dir, f"tp{tp}_batch{b}_kernels.txt"), "w") as f:
+                            f.write(_decode_kernels(llm, b, context, seed=100 + b))
             finally:
                 del os.environ[ENV]
             workers = [json.load(open(os.path.join(folder, f"rank{r}.json")))["steps"] for r in range(1, tp)]
@@ -187,6 +193,29 @@ def entry_tp_steps(cache: str, sizes: list[int], batches=(1, 16, 64), context: i
     speedups = {f"tp{row['tp']}/tp1@{row['batch']}": one[row["batch"]] / row["ranks"][0]["wall_ms"]
                 for row in rows if row["tp"] > 1}
     return {"rows": rows, "step_speedup": speedups}
+
+
+def _decode_kernels(llm, batch: int, context: int, seed: int, steps: int = 20) -> str:
+    """Rank 0's CUDA kernels over `steps` decode steps of `batch` rows (after three unprofiled ones), as a table."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from offload_engine import SamplingParams
+
+    engine = llm.engine
+    for prompt in random_prompts([context] * batch, llm.model_config.vocab_size - 1, seed=seed):
+        engine.add(engine.make_sequence(prompt, SamplingParams(max_tokens=steps + 8, ignore_eos=True)))
+    while engine.step().is_prefill:
+        pass
+    for _ in range(3):
+        engine.step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA if torch.cuda.is_available() else ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            engine.step()
+        torch.cuda.synchronize()
+    engine.abort()
+    return (f"# {steps} decode steps, {batch} rows of {context} tokens, rank 0\n"
+            + prof.key_averages().table(sort_by="cuda_time_total", row_limit=40))
 
 
 def _worker_ratio(steps: list[dict], batch: int, count: int) -> dict:
@@ -236,6 +265,8 @@ def main() -> None:
     parser.add_argument("--tp-sizes", nargs="+", type=int, default=None,
                         help="tensor_parallel_size values besides 1 (default: 2, and 4 where four GPUs are seen)")
     parser.add_argument("--pd-models", nargs="+", default=["qwen3-0.6b", "qwen3-8b"])
+    parser.add_argument("--profile", action="store_true",
+                        help="tp_steps: also rank 0's kernel tables, per TP size, into the output folder")
     parser.add_argument("--out-dir", default="benchmarks/results/nvidia-h200-x2")
     parser.add_argument("--cache", default=os.path.join(tempfile.gettempdir(), "offload-engine-models"))
     args = parser.parse_args()
@@ -256,7 +287,8 @@ def main() -> None:
         keep = lambda runs, entry=entry: write(entry, {"runs": runs, "unfinished": True})  # noqa: E731
         write(entry, {"greedy": lambda: entry_greedy(sizes), "pd": lambda: entry_pd(args.cache, args.pd_models, keep),
                       "tp": lambda: entry_tp(args.cache, sizes, keep),
-                      "tp_steps": lambda: entry_tp_steps(args.cache, sizes)}[entry]())
+                      "tp_steps": lambda: entry_tp_steps(args.cache, sizes,
+                                                         profile_dir=args.out_dir if args.profile else None)}[entry]())
         print(json.dumps(found[entry].get("ratios", found[entry].get("equal")), indent=1), flush=True)
 
 

@@ -272,15 +272,16 @@ case "${1:-check}" in
     step all_reduce 100 python3 -m benchmarks.bench_all_reduce --gpus 2 --out "$OUT/all_reduce.json"
     for choice in nccl auto; do
       mkdir -p "$OUT/steps_$choice"
-      step tp_steps_$choice 190 env OFFLOAD_ENGINE_ALL_REDUCE=$choice python3 -m benchmarks.bench_multi_gpu \
-        --entries tp_steps --tp-sizes 2 --out-dir "$OUT/steps_$choice"
+      step tp_steps_$choice 200 env OFFLOAD_ENGINE_ALL_REDUCE=$choice python3 -m benchmarks.bench_multi_gpu \
+        --entries tp_steps --tp-sizes 2 --profile --out-dir "$OUT/steps_$choice"
     done
+    (cd "$OUT" && tar czf step_kernels.tgz steps_*/*_kernels.txt && rm -f steps_*/*_kernels.txt)  # $OUT's 8 files
     ;;
   tp-two-gpus)  # issue 61 on a host of two GPUs: the test that hung (a worker's error while rank 0 waits in a
     # collective) alone, with every process's stacks after 90 s; then one all-reduce in a graph, NCCL against the
     # one-shot, and the TP step with each (tp-all-reduce)
     make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
-    OFFLOAD_ENGINE_TEST_DEVICE=cuda OFFLOAD_ENGINE_STACKS_AFTER_S=90 timeout 150 .venv/bin/python -m pytest -v -s \
+    OFFLOAD_ENGINE_TEST_DEVICE=cuda OFFLOAD_ENGINE_STACKS_AFTER_S=90 timeout 130 .venv/bin/python -m pytest -v -s \
       -o faulthandler_timeout=90 "tests/distributed/test_tp_lifecycle.py::test_a_worker_error_surfaces_on_rank_0" \
       > "$OUT/worker_error_test.txt" 2>&1; echo "--- worker error test exit $?"; tail -n 40 "$OUT/worker_error_test.txt"
     bash "$0" tp-all-reduce
