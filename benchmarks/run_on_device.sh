@@ -5,7 +5,7 @@
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
-#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles
+#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -188,6 +188,12 @@ case "${1:-check}" in
   decode-tiles)  # the paged decode kernel's tiles and split counts against the HBM copy rate (issue 59: the device
     # lane's batch-1 attention of a long-context batch read 0.77 of it on the H200 host; ~2-3 min)
     step decode_tiles 500 python3 -m benchmarks.sweep_decode_tiles --out "$OUT/decode_tiles.json"
+    ;;
+  skinny-gemm)  # issue 59: decode's projections, torch's GEMM against kernels/skinny_gemm.py at the 8B's shapes
+    # (whole and halved by TP=2), every tile setting at 1 and 16 rows; then the 8B decode step with it and without
+    step skinny_gemm 300 python3 -m benchmarks.bench_skinny_gemm --sweep --out "$OUT/skinny_gemm.json"
+    step step_skinny 280 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a --batches 1,4,16 \
+      --contexts 1024,8192 --try-kernels skinny_gemm --out-dir "$OUT/engine_step_skinny"
     ;;
   weight-check)  # what the load-time NaN/infinity check of the weights costs at the 8B shape (bench_weight_check.py)
     step weight_check 240 python3 benchmarks/bench_weight_check.py --model qwen3-8b --out "$OUT/weight_check.json"

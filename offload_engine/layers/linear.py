@@ -5,8 +5,20 @@ import torch
 from torch import nn
 
 from offload_engine.distributed.parallel_state import Partition, all_reduce
+from offload_engine.layers.fused import use_fused
 
 WHOLE = Partition()
+SKINNY_ROWS = 16  # kernels.skinny_gemm.MAX_ROWS: decode steps of at most this many rows may take it
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias): torch's GEMM, or, for a decode step's few rows where switched on (layers/fused.py,
+    "skinny_gemm"), the kernel that streams the weight once (kernels/skinny_gemm.py)."""
+    if x.dim() == 2 and x.shape[0] <= SKINNY_ROWS and x.stride(-1) == 1 and use_fused(x, "skinny_gemm"):
+        from kernels import skinny_linear
+
+        return skinny_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -18,7 +30,7 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return nn.functional.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
     def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:
         param.data.copy_(_narrowed(tensor, tuple(param.shape), 0, 0, param.shape[0]))
@@ -63,8 +75,8 @@ class RowParallelLinear(Linear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return nn.functional.linear(x, self.weight, self.bias)
-        out = all_reduce(nn.functional.linear(x, self.weight))
+            return linear(x, self.weight, self.bias)
+        out = all_reduce(linear(x, self.weight))
         return out if self.bias is None else out.add_(self.bias)  # once, not once per rank
 
     def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:
