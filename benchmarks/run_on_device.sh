@@ -5,7 +5,7 @@
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
-#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm
+#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, kernels-two-gpus
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -188,6 +188,13 @@ case "${1:-check}" in
   decode-tiles)  # the paged decode kernel's tiles and split counts against the HBM copy rate (issue 59: the device
     # lane's batch-1 attention of a long-context batch read 0.77 of it on the H200 host; ~2-3 min)
     step decode_tiles 500 python3 -m benchmarks.sweep_decode_tiles --out "$OUT/decode_tiles.json"
+    ;;
+  kernels-two-gpus)  # issue 59 on a host of two GPUs, one kernel study per GPU and half the cores each, at once:
+    # decode-tiles on GPU 0, skinny-gemm on GPU 1 (each a GPU of its own: their HBM rates are their own)
+    half=$(( $(nproc) / 2 ))
+    (CUDA_VISIBLE_DEVICES=1 taskset -c $half-$(( 2 * half - 1 )) bash "$0" skinny-gemm > "$OUT/gpu1.log" 2>&1) &
+    CUDA_VISIBLE_DEVICES=0 taskset -c 0-$(( half - 1 )) bash "$0" decode-tiles
+    wait; cat "$OUT/gpu1.log"; rm -f "$OUT/gpu1.log"
     ;;
   skinny-gemm)  # issue 59: decode's projections, torch's GEMM against kernels/skinny_gemm.py at the 8B's shapes
     # (whole and halved by TP=2), every tile setting at 1 and 16 rows; then the 8B decode step with it and without
