@@ -73,7 +73,7 @@ def test_split_k_with_short_and_empty_rows(num_splits):
     assert_matches(out, lse, ref_out, ref_lse, torch.bfloat16)
 
 
-@pytest.mark.parametrize("config", [(32, 4, 1), (16, 2, 2)])
+@pytest.mark.parametrize("config", [(32, 4, 1), (16, 2, 2), (32, 4, 1, True), (16, 2, 2, True)])
 def test_a_tile_config_given_in_place_of_the_default(config):
     # The sweep's configurations (benchmarks/sweep_decode_tiles.py) must compute the same attention.
     out, lse, ref_out, ref_lse = run_decode([70, 33, 0, 16], 4, 2, 64, 16, torch.bfloat16, 3, seed=9, config=config)
