@@ -5,7 +5,8 @@
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
-#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, kernels-two-gpus
+#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, try-norm-rope-qk,
+#   kernels-two-gpus
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -189,18 +190,25 @@ case "${1:-check}" in
     # lane's batch-1 attention of a long-context batch read 0.77 of it on the H200 host; ~2-3 min)
     step decode_tiles 500 python3 -m benchmarks.sweep_decode_tiles --out "$OUT/decode_tiles.json"
     ;;
-  kernels-two-gpus)  # issue 59 on a host of two GPUs, one kernel study per GPU and half the cores each, at once:
-    # decode-tiles on GPU 0, skinny-gemm on GPU 1 (each a GPU of its own: their HBM rates are their own)
+  kernels-two-gpus)  # issue 59 on a host of two GPUs, one GPU and half the cores each, at once: on GPU 0 the decode
+    # kernel's tiles, then the step with q and k rotated in one launch; on GPU 1 the skinny projections' sweep, then
+    # the 8B step with them (each a GPU of its own: their HBM rates are their own)
     half=$(( $(nproc) / 2 ))
     (CUDA_VISIBLE_DEVICES=1 taskset -c $half-$(( 2 * half - 1 )) bash "$0" skinny-gemm > "$OUT/gpu1.log" 2>&1) &
     CUDA_VISIBLE_DEVICES=0 taskset -c 0-$(( half - 1 )) bash "$0" decode-tiles
+    CUDA_VISIBLE_DEVICES=0 taskset -c 0-$(( half - 1 )) bash "$0" try-norm-rope-qk
     wait; cat "$OUT/gpu1.log"; rm -f "$OUT/gpu1.log"
+    (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)  # $OUT's 8 files
     ;;
   skinny-gemm)  # issue 59: decode's projections, torch's GEMM against kernels/skinny_gemm.py at the 8B's shapes
     # (whole and halved by TP=2), every tile setting at 1 and 16 rows; then the 8B decode step with it and without
     step skinny_gemm 300 python3 -m benchmarks.bench_skinny_gemm --sweep --out "$OUT/skinny_gemm.json"
     step step_skinny 280 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a --batches 1,4,16 \
       --contexts 1024,8192 --try-kernels skinny_gemm --out-dir "$OUT/engine_step_skinny"
+    ;;
+  try-norm-rope-qk)  # the decode step with q's and k's norm and rotation in one launch against two (0.6B: 28 layers)
+    step step_norm_rope_qk 280 python3 -m benchmarks.bench_engine_step --skip-hf --skip-a --batches 1,16,64,256 \
+      --contexts 512,2048 --try-kernels norm_rope_qk --out-dir "$OUT/engine_step_norm_rope_qk"
     ;;
   weight-check)  # what the load-time NaN/infinity check of the weights costs at the 8B shape (bench_weight_check.py)
     step weight_check 240 python3 benchmarks/bench_weight_check.py --model qwen3-8b --out "$OUT/weight_check.json"

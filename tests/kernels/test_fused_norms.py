@@ -132,3 +132,60 @@ def test_norm_rope_with_a_store_writes_exactly_what_store_kvcache_writes(dtype, 
     with pytest.raises(ValueError, match="slot_mapping"):
         norm_rope(on(k), on(positions), on(rotary.cos), on(rotary.sin), on(weight), 1e-6,
                   store=KVStore(on(v), *caches, on(slots[:3])))
+
+
+@pytest.mark.parametrize("dtype", (torch.float32, torch.bfloat16))
+@pytest.mark.parametrize("q_heads,k_heads,dim,with_norm,with_store", [
+    (4, 2, 16, True, True), (32, 8, 128, True, True), (6, 3, 24, False, False), (17, 1, 64, True, False)])
+def test_norm_rope_qk_gives_the_bits_of_its_two_launches(dtype, q_heads, k_heads, dim, with_norm, with_store):
+    """q and k (GQA, heads past one 16-head tile, no norm, a head size that is no power of two) in one launch: the
+    outputs and both caches equal norm_rope on q and then on k with the store, bit for bit."""
+    from kernels import KVStore, norm_rope_qk
+
+    gen = torch.Generator().manual_seed(q_heads * 100 + dim)
+    tokens, block_size, num_blocks = 9, 16, 3
+    wide = torch.randn(tokens, q_heads + 2 * k_heads, dim, generator=gen).to(dtype)  # one projection, sliced
+    q, k, v = wide[:, :q_heads], wide[:, q_heads : q_heads + k_heads], wide[:, q_heads + k_heads :]
+    positions = torch.randint(0, 3000, (tokens,), generator=gen)
+    rotary = RotaryEmbedding(dim, 4096, {"rope_theta": 1e6, "rope_type": "default"})
+    weights = [(torch.rand(dim, generator=gen) + 0.5).to(dtype) if with_norm else None for _ in range(2)]
+    caches = [torch.randn(num_blocks, block_size, k_heads, dim, generator=gen).to(dtype) for _ in range(2)]
+    slots = torch.tensor([block_size - 1, block_size, -1, 5, 2 * block_size, -1, 7, 40, 41])
+    on = lambda t: None if t is None else t.to(TEST_DEVICE)
+    rope = (on(positions), on(rotary.cos), on(rotary.sin))
+
+    def store(pair):
+        return KVStore(on(v), *pair, on(slots)) if with_store else None
+
+    two = [on(c.clone()) for c in caches]
+    expected = (norm_rope(on(q), *rope, on(weights[0]), 1e-6),
+                norm_rope(on(k), *rope, on(weights[1]), 1e-5, store=store(two)))
+    one = [on(c.clone()) for c in caches]
+    got = norm_rope_qk(on(q), on(k), *rope, on(weights[0]), on(weights[1]), 1e-6, 1e-5, store=store(one))
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(got, expected))
+    assert all(torch.equal(a.cpu(), b.cpu()) for a, b in zip(one, two))
+    other = None if with_norm else on(torch.ones(dim, dtype=dtype))  # k normalized where q is not, or not where q is
+    with pytest.raises(ValueError, match="both normalized or neither"):
+        norm_rope_qk(on(q), on(k), *rope, on(weights[0]), other)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])  # per-head norms, and none
+def test_the_engine_with_q_and_k_rotated_in_one_launch_gives_transformers_greedy_tokens(monkeypatch, tiny_models,
+                                                                                       arch):
+    """Forced on (off CUDA the layers would not take it): prefill and decode steps."""
+    from offload_engine import LLM, SamplingParams
+    from offload_engine.layers import rotary
+    from tests.oracle import hf_greedy, random_prompts
+
+    taken = []
+
+    def use_fused(x, kernel: str) -> bool:
+        taken.append(kernel)
+        return kernel in ("norm_rope", "norm_rope_qk")
+
+    monkeypatch.setattr(rotary, "use_fused", use_fused)
+    prompts = random_prompts((9, 40, 3), 256, seed=12)
+    with LLM(tiny_models[arch], device=TEST_DEVICE, dtype="float32") as llm:
+        outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
+    assert [o.token_ids for o in outputs] == hf_greedy(tiny_models[arch], prompts, 6)
+    assert "norm_rope_qk" in taken
