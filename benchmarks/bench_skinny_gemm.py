@@ -3,10 +3,10 @@ HBM copy rate measured in the same process.
 
     python -m benchmarks.bench_skinny_gemm [--out FILE] [--sweep]
 
-Shapes are the 8B's four projections (q/k/v, o, gate/up, down) whole and as one rank of two holds them. Each case
-captures one CUDA graph of as many calls as there are distinct weights (enough that they are 8x the L2 cache, so
-every call reads its weight from HBM, as a step's layers do), replays it, and gives microseconds per call and the
-weight's bytes per second over the copy rate. --sweep also tries every tile, split count, warp and stage setting
+Shapes are the 8B's four projections (q/k/v, o, gate/up, down) and its LM head, whole and as one rank of two
+holds them. Each case captures one CUDA graph of as many calls as there are distinct weights (enough that they are
+8x the L2 cache, so every call reads its weight from HBM, as a step's layers do), replays it, and gives
+microseconds per call and the weight's bytes per second over the copy rate. --sweep also tries every tile, split count, warp and stage setting
 at 1 and 16 rows; the default launch_config is marked.
 """
 import argparse
@@ -19,12 +19,13 @@ import torch
 from benchmarks.bench_gpu_attention import copy_ceiling_gbps
 from kernels.skinny_gemm import launch_config, skinny_linear
 
-HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP = 4096, 32, 8, 128, 12288  # qwen3-8b
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4096, 32, 8, 128, 12288, 151936  # qwen3-8b
 SHAPES = {  # name: (N, K)
     "qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o": (HIDDEN, HEADS * HEAD_DIM),
     "gate_up": (2 * MLP, HIDDEN), "down": (HIDDEN, MLP),
     "qkv/2": ((HEADS + 2 * KV_HEADS) * HEAD_DIM // 2, HIDDEN), "o/2": (HIDDEN, HEADS * HEAD_DIM // 2),
     "gate_up/2": (MLP, HIDDEN), "down/2": (HIDDEN, MLP // 2),
+    "head": (VOCAB, HIDDEN), "head/2": (VOCAB // 2, HIDDEN),
 }
 ROWS = (1, 4, 8, 16)
 SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "splits": (1, 2, 4, 8, 16), "warps": (4, 8),

@@ -6,6 +6,7 @@ import torch
 from torch import nn
 
 from offload_engine.distributed.parallel_state import Partition, all_gather, all_reduce
+from offload_engine.layers.linear import linear
 
 WHOLE = Partition()
 
@@ -49,8 +50,8 @@ class LMHead(_VocabRows):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return nn.functional.linear(hidden, self.weight).float()
-        logits = all_gather(nn.functional.linear(hidden, self.weight), dim=-1)
+            return linear(hidden, self.weight).float()
+        logits = all_gather(linear(hidden, self.weight), dim=-1)
         if logits.shape[-1] != self.vocab_size:  # the padding's columns go; the sampler wants whole rows
             logits = logits[..., : self.vocab_size].contiguous()
         return logits.float()
