@@ -19,32 +19,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from benchmarks.graph_timing import us_per_call
+
 CALLS = 72
 HIDDEN = 4096
 ROWS = (1, 16, 64, 128, 256, 1024, 4096)
 
 
-def _time_graph(run, replays: int = 20) -> float:
+def _time_graph(run) -> float:
     """Microseconds per all-reduce of a graph of CALLS calls of `run`."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for _ in range(3):
-            run()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(CALLS):
-            run()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * CALLS)
+    return us_per_call([run] * CALLS)
 
 
 def _rank(rank: int, world: int, port: int, out: str) -> None:

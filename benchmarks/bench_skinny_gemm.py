@@ -17,6 +17,7 @@ import time
 import torch
 
 from benchmarks.bench_gpu_attention import copy_ceiling_gbps
+from benchmarks.graph_timing import us_per_call
 from kernels.skinny_gemm import launch_config, skinny_linear
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4096, 32, 8, 128, 12288, 151936  # qwen3-8b
@@ -33,26 +34,9 @@ SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "splits": (1, 2, 4
 L2_BYTES = 60 << 20
 
 
-def per_call_us(fn, weights: list, x: torch.Tensor, replays: int = 20) -> float:
+def per_call_us(fn, weights: list, x: torch.Tensor) -> float:
     """Microseconds per call of fn(x, w), from one graph over every weight in turn."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for w in weights:  # compiles and warms up outside the capture
-            fn(x, w)
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for w in weights:
-            fn(x, w)
-    graph.replay()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * len(weights))
+    return us_per_call([lambda w=w: fn(x, w) for w in weights])
 
 
 def shape_case(name: str, n: int, k: int, copy_gbps: float, sweep: bool) -> dict:
