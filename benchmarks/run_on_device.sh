@@ -204,7 +204,7 @@ case "${1:-check}" in
     # (whole and halved by TP=2), every tile setting at 1 and 16 rows; then the 8B decode step with it and without
     step skinny_gemm 300 python3 -m benchmarks.bench_skinny_gemm --sweep --out "$OUT/skinny_gemm.json"
     step step_skinny 280 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a --batches 1,4,16 \
-      --contexts 1024,8192 --try-kernels skinny_gemm --out-dir "$OUT/engine_step_skinny"
+      --contexts 1024,32768 --try-kernels skinny_gemm --out-dir "$OUT/engine_step_skinny"
     ;;
   try-norm-rope-qk)  # the decode step with q's and k's norm and rotation in one launch against two (0.6B: 28 layers)
     step step_norm_rope_qk 280 python3 -m benchmarks.bench_engine_step --skip-hf --skip-a --batches 1,16,64,256 \
