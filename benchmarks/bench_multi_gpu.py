@@ -122,28 +122,21 @@ def entry_tp(cache: str, sizes: list[int], keep) -> dict:
     runs = _budget_runs(path, spec, total, modes, [], keep, placements=("gpu",))  # the whole batch on the device
     _budget_runs(path, spec, QWEN3_8B_ON_24_GIB, modes, runs, keep, placements=("gpu", "auto"))
     ratios = {key: value for n in sizes for key, value in _ratios(runs, f"tp{n}", "tp1").items()}
-    ratios.update({f"auto/gpu:tp{n}@{QWEN3_8B_ON_24_GIB}": _placement_ratio(runs, f"tp{n}") for n in sizes})
+    ratios.update({f"auto/gpu:tp{n}@{QWEN3_8B_ON_24_GIB}": _run_ratio(
+        runs, ("auto", f"tp{n}", QWEN3_8B_ON_24_GIB), ("gpu", f"tp{n}", QWEN3_8B_ON_24_GIB)) for n in sizes})
     for n in sizes:
         budget = min(total, blocks_beside_weights(spec.model, card_gib=24, tp=n))
         if budget != total:
             _budget_runs(path, spec, budget, {f"tp{n}": modes[f"tp{n}"]}, runs, keep, placements=("gpu",))
-        ratios[f"gpu:tp{n}@24GiB-cards/tp1@24GiB-card"] = _rate(runs, "gpu", f"tp{n}", budget) / _rate(
-            runs, "gpu", "tp1", QWEN3_8B_ON_24_GIB)
+        ratios[f"gpu:tp{n}@24GiB-cards/tp1@24GiB-card"] = _run_ratio(
+            runs, ("gpu", f"tp{n}", budget), ("gpu", "tp1", QWEN3_8B_ON_24_GIB))
     return {"runs": runs, "ratios": ratios}
 
 
-def _rate(runs: list[dict], placement: str, mode: str, budget: int) -> float:
-    """Output tok/s of one run (nan where it failed, so that its ratio reads nan rather than stopping the entry)."""
-    found = [r.get("output_tok_per_s") for r in runs
-             if (r["placement"], r["mode"], r["budget_blocks"]) == (placement, mode, budget)]
-    return found[0] if found and found[0] else float("nan")
-
-
-def _placement_ratio(runs: list[dict], mode: str) -> float | None:
-    """auto's tok/s over gpu's at the 24 GiB card's budget, in one mode."""
-    rate = {r["placement"]: r.get("output_tok_per_s") for r in runs
-            if r["mode"] == mode and r["budget_blocks"] == QWEN3_8B_ON_24_GIB}
-    return rate["auto"] / rate["gpu"] if rate.get("auto") and rate.get("gpu") else None
+def _run_ratio(runs: list[dict], top: tuple, bottom: tuple) -> float | None:
+    """Output tok/s of the run keyed (placement, mode, budget) `top` over `bottom`'s; None where either failed."""
+    rate = {(r["placement"], r["mode"], r["budget_blocks"]): r.get("output_tok_per_s") for r in runs}
+    return rate[top] / rate[bottom] if rate.get(top) and rate.get(bottom) else None
 
 
 def entry_tp_steps(cache: str, sizes: list[int], batches=(1, 16, 64), context: int = 1024, steps: int = 30,
