@@ -156,6 +156,40 @@ def plot(result_path: str, earlier_path: str | None = None, out: str | None = No
     return out
 
 
+def mixed_throughput(path: str, args, weights: int, kv_bytes: int, hbm_gbps: float) -> dict:
+    """Output tokens per second of --num-prompts mixed prompts, against the HBM bound, async scheduling on and off;
+    transformers' continuous batching beside it unless --skip-hf."""
+    rng = random.Random(0)
+    prompt_lens = [rng.randint(100, 1024) for _ in range(args.num_prompts)]
+    prompts = random_prompts(prompt_lens, 10000, seed=12)
+    with LLM(path, kv_placement="gpu", max_model_len=1024 + args.output_len + 16,
+             max_num_seqs=args.num_prompts) as llm:
+        llm.generate(random_prompts([64, 512], 10000, seed=13), SamplingParams(max_tokens=8, ignore_eos=True),
+                     use_tqdm=False)  # warm-up
+        rates = {}
+        for async_scheduling in (False, True):
+            llm.engine.cfg.async_scheduling = async_scheduling
+            llm.engine.blocks.reset()  # no prefix hits from the run before
+            start = time.perf_counter()
+            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len,
+                                                           ignore_eos=True), use_tqdm=False)
+            seconds = time.perf_counter() - start
+            rates[async_scheduling] = (sum(len(o.token_ids) for o in outputs) / seconds, seconds)
+    (tok_s, seconds), sync_tok_s = rates[True], rates[False][0]
+    bound = throughput_bound(prompt_lens, args.output_len, weights, kv_bytes, hbm_gbps)
+    throughput = {"num_prompts": args.num_prompts, "prompt_range": [100, 1024], "output_len": args.output_len,
+                  "seconds": seconds, "tok_s": tok_s, "bound_tok_s": bound, "of_bound": tok_s / bound,
+                  "tok_s_async_off": sync_tok_s}
+    print(f"[throughput] {tok_s:,.0f} output tok/s = {tok_s / bound:.2f} of the HBM bound ({bound:,.0f}); "
+          f"async scheduling off: {sync_tok_s:,.0f}", flush=True)
+    if not args.skip_hf:
+        hf = hf_continuous_batching(path, prompts, args.output_len)
+        throughput["hf_cb"] = hf
+        throughput["hf_cb_tok_s"] = hf.get("output_tok_per_s")
+        print(f"[throughput] transformers generate_batch: {hf}", flush=True)
+    return throughput
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-0.6b")
@@ -172,6 +206,8 @@ def main() -> None:
                         help="also time the steps with these unmeasured fused kernels on (comma-separated, "
                              "layers/fused.py UNMEASURED, e.g. kv_store)")
     parser.add_argument("--skip-a", action="store_true")
+    parser.add_argument("--skip-throughput", action="store_true",
+                        help="only the step grid: no mixed-prompt throughput run (nor transformers' beside it)")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out-dir", default=None)
     parser.add_argument("--earlier", default=None, help="an earlier engine_step.json to plot dashed beside this run")
@@ -217,34 +253,8 @@ def main() -> None:
                   f"{other['gpu_ms'] / row['gpu_ms']:.3f}x, wall {other['wall_ms'] / row['wall_ms']:.3f}x of without",
                   flush=True)
 
-    rng = random.Random(0)
-    prompt_lens = [rng.randint(100, 1024) for _ in range(args.num_prompts)]
-    prompts = random_prompts(prompt_lens, 10000, seed=12)
-    with LLM(path, kv_placement="gpu", max_model_len=1024 + args.output_len + 16,
-             max_num_seqs=args.num_prompts) as llm:
-        llm.generate(random_prompts([64, 512], 10000, seed=13), SamplingParams(max_tokens=8, ignore_eos=True),
-                     use_tqdm=False)  # warm-up
-        rates = {}
-        for async_scheduling in (False, True):
-            llm.engine.cfg.async_scheduling = async_scheduling
-            llm.engine.blocks.reset()  # no prefix hits from the run before
-            start = time.perf_counter()
-            outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=args.output_len,
-                                                           ignore_eos=True), use_tqdm=False)
-            seconds = time.perf_counter() - start
-            rates[async_scheduling] = (sum(len(o.token_ids) for o in outputs) / seconds, seconds)
-    (tok_s, seconds), sync_tok_s = rates[True], rates[False][0]
-    bound = throughput_bound(prompt_lens, args.output_len, weights, kv_bytes, hbm_gbps)
-    result["throughput"] = {"num_prompts": args.num_prompts, "prompt_range": [100, 1024],
-                            "output_len": args.output_len, "seconds": seconds, "tok_s": tok_s,
-                            "bound_tok_s": bound, "of_bound": tok_s / bound, "tok_s_async_off": sync_tok_s}
-    print(f"[throughput] {tok_s:,.0f} output tok/s = {tok_s / bound:.2f} of the HBM bound ({bound:,.0f}); "
-          f"async scheduling off: {sync_tok_s:,.0f}", flush=True)
-    if not args.skip_hf:
-        hf = hf_continuous_batching(path, prompts, args.output_len)
-        result["throughput"]["hf_cb"] = hf
-        result["throughput"]["hf_cb_tok_s"] = hf.get("output_tok_per_s")
-        print(f"[throughput] transformers generate_batch: {hf}", flush=True)
+    if not args.skip_throughput:
+        result["throughput"] = mixed_throughput(path, args, weights, kv_bytes, hbm_gbps)
     if not args.skip_a:
         profile = PROFILES["full"]
         result["a"] = workload_a(profile, args.model_cache)

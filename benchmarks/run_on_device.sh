@@ -6,7 +6,7 @@
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
 #   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, try-norm-rope-qk,
-#   kernels-two-gpus
+#   kernels-two-gpus, issue59-four-gpus
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -159,13 +159,14 @@ case "${1:-check}" in
     ;;
   test-gpu-shards)  # make test-gpu in one call on a host of several GPUs: one pytest per GPU, each on its own cores,
     # the files dealt out by size; outputs concatenated into $OUT/gpu_tests.txt. SHARD_GPUS: use only the first
-    # N GPUs (and their cores), leaving the others to a benchmark run beside the tests; GPU_TESTS: the output's name
+    # N GPUs (and their cores), leaving the others to a benchmark run beside the tests; SHARD_FIRST_GPU: start at this
+    # GPU (and its cores) instead, with no shard of several GPUs; GPU_TESTS: the output's name
     # (gpu_tests_flash_attn with OFFLOAD_ENGINE_ATTENTION_BACKEND=flash-attn); SHARDS_PER_GPU: pytest processes per
     # GPU, the GPU's cores split among them. A test that runs past 240 s dumps every thread's stack into the output
     # (pytest's faulthandler_timeout), so a hang names itself even when the shard's time limit then ends it.
     make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
     all=$(nvidia-smi -L | wc -l); gpus=${SHARD_GPUS:-$all}; per=${SHARDS_PER_GPU:-1}; shards=$((gpus * per))
-    cores=$(( $(nproc) / all / per ))
+    cores=$(( $(nproc) / all / per )); first=${SHARD_FIRST_GPU:-0}; [ "$first" -gt 0 ] && all=1  # no shard of two
     # Tests of several GPUs (tensor parallelism, prefill/decode separation) get a shard of their own that sees two
     # GPUs (shared with the first shards) where the host has them; the rest are dealt out by size.
     files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_" | xargs wc -c | sort -rn | awk '$2!="total"{print $2}')
@@ -177,8 +178,9 @@ case "${1:-check}" in
         .venv/bin/python -m pytest -v -rs --durations=5 -o faulthandler_timeout=240 $(cat "$OUT/shard_$shards.txt") > "$OUT/gpu_tests_shard_$shards.txt" 2>&1 &
     fi
     for g in $(seq 0 $((shards - 1))); do
-      CUDA_VISIBLE_DEVICES=$((g % gpus)) NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda \
-        taskset -c $((g * cores))-$(((g + 1) * cores - 1)) timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -q -rs \
+      c=$(( (first * per + g) * cores ))
+      CUDA_VISIBLE_DEVICES=$((first + g % gpus)) NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda \
+        taskset -c $c-$((c + cores - 1)) timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -q -rs \
         --durations=5 -o faulthandler_timeout=240 $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
     done
     wait; gpus=$shards; [ "$all" -ge 2 ] && gpus=$((shards + 1))
@@ -188,7 +190,7 @@ case "${1:-check}" in
     ;;
   decode-tiles)  # the paged decode kernel's tiles and split counts against the HBM copy rate (issue 59: the device
     # lane's batch-1 attention of a long-context batch read 0.77 of it on the H200 host; ~2-3 min)
-    step decode_tiles 500 python3 -m benchmarks.sweep_decode_tiles --out "$OUT/decode_tiles.json"
+    step decode_tiles ${DECODE_TILES_LIMIT:-500} python3 -m benchmarks.sweep_decode_tiles --out "$OUT/decode_tiles.json"
     ;;
   kernels-two-gpus)  # issue 59 on a host of two GPUs, one GPU and half the cores each, at once: on GPU 0 the decode
     # kernel's tiles, then the step with q and k rotated in one launch; on GPU 1 the skinny projections' sweep, then
@@ -200,15 +202,30 @@ case "${1:-check}" in
     wait; cat "$OUT/gpu1.log"; rm -f "$OUT/gpu1.log"
     (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)  # $OUT's 8 files
     ;;
+  issue59-four-gpus)  # issue 59 on a host of four GPUs, a quarter of the cores a GPU, at once: GPU 0 the decode
+    # kernel's tiles, then q and k rotated in one launch; GPU 1 the skinny projections; GPUs 2-3 make test-gpu in four
+    # shards (test-gpu-shards). Everything comes back in $OUT/all.tgz.
+    cores=$(( $(nproc) / 4 ))
+    group() {  # group GPU NAME CMD...: on GPU and its cores, numba's threads sized to them, under 550 s
+      local g=$1 name=$2; shift 2
+      CUDA_VISIBLE_DEVICES=$g NUMBA_NUM_THREADS=$cores taskset -c $((g * cores))-$(((g + 1) * cores - 1)) \
+        timeout 550 "$@" > "$OUT/$name.log" 2>&1; echo "--- $name exit $?"
+    }
+    group 0 gpu0 bash -c "DECODE_TILES_LIMIT=280 bash $0 decode-tiles; bash $0 try-norm-rope-qk" &
+    group 1 gpu1 bash "$0" skinny-gemm &
+    (SHARD_FIRST_GPU=2 SHARD_GPUS=2 SHARDS_PER_GPU=2 SHARD_LIMIT=540 bash "$0" test-gpu-shards > "$OUT/tests.log" 2>&1) &
+    wait; tail -n 6 "$OUT"/gpu*.log; cat "$OUT/tests.log"
+    (cd "$OUT" && tar czf all.tgz --exclude all.tgz . && find . -mindepth 1 ! -name all.tgz -delete)
+    ;;
   skinny-gemm)  # issue 59: decode's projections, torch's GEMM against kernels/skinny_gemm.py at the 8B's shapes
     # (whole and halved by TP=2), every tile setting at 1 and 16 rows; then the 8B decode step with it and without
-    step skinny_gemm 300 python3 -m benchmarks.bench_skinny_gemm --sweep --out "$OUT/skinny_gemm.json"
-    step step_skinny 280 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a --batches 1,4,16 \
-      --contexts 1024,32768 --try-kernels skinny_gemm --out-dir "$OUT/engine_step_skinny"
+    step skinny_gemm 270 python3 -m benchmarks.bench_skinny_gemm --sweep --out "$OUT/skinny_gemm.json"
+    step step_skinny 270 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a --batches 1,4,16 \
+      --contexts 1024,32768 --try-kernels skinny_gemm --skip-throughput --out-dir "$OUT/engine_step_skinny"
     ;;
   try-norm-rope-qk)  # the decode step with q's and k's norm and rotation in one launch against two (0.6B: 28 layers)
-    step step_norm_rope_qk 280 python3 -m benchmarks.bench_engine_step --skip-hf --skip-a --batches 1,16,64,256 \
-      --contexts 512,2048 --try-kernels norm_rope_qk --out-dir "$OUT/engine_step_norm_rope_qk"
+    step step_norm_rope_qk 260 python3 -m benchmarks.bench_engine_step --skip-hf --skip-a --batches 1,16,64,256 \
+      --contexts 512,2048 --try-kernels norm_rope_qk --skip-throughput --out-dir "$OUT/engine_step_norm_rope_qk"
     ;;
   weight-check)  # what the load-time NaN/infinity check of the weights costs at the 8B shape (bench_weight_check.py)
     step weight_check 240 python3 benchmarks/bench_weight_check.py --model qwen3-8b --out "$OUT/weight_check.json"
