@@ -7,7 +7,8 @@ Shapes are the 8B's four projections (q/k/v, o, gate/up, down) and its LM head, 
 holds them. Each case captures one CUDA graph of as many calls as there are distinct weights (enough that they are
 8x the L2 cache, so every call reads its weight from HBM, as a step's layers do), replays it, and gives
 microseconds per call and the weight's bytes per second over the copy rate. --sweep also tries every tile, split
-count, warp and stage setting at 1 and 16 rows on the whole model's shapes; the default launch_config is marked.
+count, warp and stage setting at 1 and 16 rows on the whole model's shapes; the default launch_config is marked, and
+each shape says whether the layers take the kernel for it (skinny_gemm.pays).
 """
 import argparse
 import itertools
@@ -18,7 +19,7 @@ import torch
 
 from benchmarks.bench_gpu_attention import copy_ceiling_gbps
 from benchmarks.graph_timing import us_per_call
-from kernels.skinny_gemm import launch_config, skinny_linear
+from kernels.skinny_gemm import launch_config, pays, skinny_linear
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4096, 32, 8, 128, 12288, 151936  # qwen3-8b
 SHAPES = {  # name: (N, K); the whole model's first, each written to --out as it ends
@@ -28,8 +29,7 @@ SHAPES = {  # name: (N, K); the whole model's first, each written to --out as it
     "gate_up/2": (MLP, HIDDEN), "down/2": (HIDDEN, MLP // 2), "head/2": (VOCAB // 2, HIDDEN),
 }
 ROWS = (1, 4, 8, 16)
-SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "splits": (1, 2, 4, 8, 16), "warps": (4, 8),
-         "stages": (3, 4)}
+SWEEP = {"block_n": (16, 32, 64), "block_k": (128, 256, 512), "warps": (4, 8), "stages": (3, 4)}
 L2_BYTES = 60 << 20
 
 
@@ -72,7 +72,8 @@ def shape_case(name: str, n: int, k: int, copy_gbps: float, sweep: bool) -> dict
               f"best {best['config']} {best['us']:.1f} us ({best['of_copy']:.2f})", flush=True)
     del weights
     torch.cuda.empty_cache()
-    return {"n": n, "k": k, "weight_bytes": weight_bytes, "weights_in_graph": count, "rows": rows_out}
+    return {"n": n, "k": k, "weight_bytes": weight_bytes, "weights_in_graph": count, "pays": pays(n, k, device),
+            "rows": rows_out}
 
 
 def main() -> None:

@@ -4,7 +4,7 @@
 
 Shapes are the 8B's (Hq 32, Hkv 8, D 128, bf16, blocks of 16): one row of 32k and 128k tokens (the device lane of a
 long-context batch, where the engine's decode attention read 0.77 of the HBM rate on the H200 host), eight rows of
-32k, and 64 rows of 2k. Each (BLOCK_N, warps, stages[, V beside K]) runs at each split count, and gives GB/s of K and
+32k, and 64 rows of 2k. Each (BLOCK_N, warps, stages) runs at each split count, and gives GB/s of K and
 V read (the split kernel and its merge together) over the copy rate measured in the same process; the default is
 marked.
 """
@@ -19,9 +19,8 @@ from kernels.paged_decode import MAX_SPLITS, _tile_config, choose_num_splits, pa
 
 SHAPES = {"1x32k": (1, 32768), "1x128k": (1, 131072), "8x32k": (8, 32768), "64x2k": (64, 2048)}
 CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (128, 8, 2), (128, 4, 2),
-           (16, 4, 4),  # (BLOCK_N, warps, stages), V loaded after the scores; then with V loaded beside K:
-           (64, 4, 2, True), (64, 4, 3, True), (64, 8, 2, True), (32, 4, 3, True), (128, 4, 2, True)]
-SPLITS = (16, 32, 48, 64)
+           (16, 4, 4)]  # (BLOCK_N, warps, stages)
+SPLITS = (2, 4, 8, 16, 32, 48, 64)
 BLOCK_SIZE = 16
 
 

@@ -24,8 +24,7 @@ from ._common import (check_int_tensor, check_paged_cache, check_queries, dot, e
 
 _LN2 = tl.constexpr(0.6931471805599453)
 MAX_SPLITS = 64  # bounds the reduction tile [splits, D] and the partial buffers
-PROGRAMS_PER_SM = 4  # enough resident programs per SM to keep HBM busy and even out the tail
-V_FIRST = False  # where a tile's V is loaded: after its scores (False) or beside its K (the sweep tries both)
+PROGRAMS_PER_SM = 8  # programs of one launch per SM, at most: more splits leave a tail (choose_num_splits)
 
 
 @triton.jit
@@ -37,7 +36,7 @@ def _decode_split_kernel(
     stride_out_b, stride_out_h, stride_out_split, stride_lse_b, stride_lse_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_SIZE: tl.constexpr, BLOCK_G: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr,
-    FINAL: tl.constexpr, V_FIRST: tl.constexpr,
+    FINAL: tl.constexpr,
 ):
     kv_head = tl.program_id(0)
     split = tl.program_id(1)
@@ -71,9 +70,6 @@ def _decode_split_kernel(
         kv_mask = valid[:, None] & dim_mask[None, :]
         k = tl.load(k_base + (block * stride_k_block + offset * stride_k_tok)[:, None] + dims[None, :],
                     mask=kv_mask, other=0.0)
-        if V_FIRST:  # the tile's V requested beside its K, before the scores: both loads in flight at once
-            v = tl.load(v_base + (block * stride_v_block + offset * stride_v_tok)[:, None] + dims[None, :],
-                        mask=kv_mask, other=0.0)
         scores = dot(q, tl.trans(k), IEEE, UPCAST) * qk_scale
         scores = tl.where(valid[None, :], scores, float("-inf"))
         # Every tile holds at least one valid token, so m_new is finite and exp2 never sees -inf - -inf.
@@ -81,9 +77,8 @@ def _decode_split_kernel(
         alpha = tl.exp2(m - m_new)
         p = tl.exp2(scores - m_new[:, None])
         l = l * alpha + tl.sum(p, axis=1)
-        if not V_FIRST:
-            v = tl.load(v_base + (block * stride_v_block + offset * stride_v_tok)[:, None] + dims[None, :],
-                        mask=kv_mask, other=0.0)
+        v = tl.load(v_base + (block * stride_v_block + offset * stride_v_tok)[:, None] + dims[None, :],
+                    mask=kv_mask, other=0.0)
         acc = acc * alpha[:, None] + dot(p.to(v.dtype), v, IEEE, UPCAST)
         m = m_new
 
@@ -140,11 +135,13 @@ def _tile_config(q: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
 
 def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, block_size: int, block_n: int,
                       device: torch.device) -> int:
-    """Splits per row from shapes only: fill the SMs, but give each split at least two key tiles of the
-    widest possible context (a split's fixed cost is one q load, one partial write and its share of the merge)."""
-    wanted = triton.cdiv(PROGRAMS_PER_SM * sm_count(device), max(1, batch * num_kv_heads))
+    """Splits per row from shapes only: as many as keep the launch within PROGRAMS_PER_SM programs per SM, but each
+    split at least two key tiles of the widest possible context (a split's fixed cost is one q load, one partial
+    write and its share of the merge). Rounding down, not up, matters: on the H200 (sweep_decode_tiles.py) 8 x 32k
+    read 0.74 of the HBM rate at 9 splits, one launch's worth and a tail, and 0.99 at 16."""
+    fits = PROGRAMS_PER_SM * sm_count(device) // max(1, batch * num_kv_heads)
     by_length = triton.cdiv(max_blocks * block_size, 2 * block_n)
-    return max(1, min(wanted, by_length, MAX_SPLITS))
+    return max(1, min(fits, by_length, MAX_SPLITS))
 
 
 def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale, *, num_splits=None,
@@ -152,8 +149,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
     """Decode attention over paged KV; returns (out [B, Hq, D] in q's dtype, lse float32 [B, Hq]).
 
     `num_splits` overrides the shape-derived split count (tests use it to force split-K paths); `config`
-    (BLOCK_N, num_warps, num_stages[, v_first]) overrides _tile_config's (benchmarks/sweep_decode_tiles.py);
-    v_first loads each tile's V beside its K instead of after the scores.
+    (BLOCK_N, num_warps, num_stages) overrides _tile_config's (benchmarks/sweep_decode_tiles.py).
     """
     block_size, num_kv_heads, head_dim = check_paged_cache(k_cache, v_cache)
     group = check_queries(q, k_cache, num_kv_heads, head_dim)
@@ -166,7 +162,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
         return out, lse
     q = q if q.stride(-1) == 1 else q.contiguous()
     block_tables = block_tables if block_tables.stride(-1) == 1 else block_tables.contiguous()
-    block_n, num_warps, num_stages, v_first = (*(config or _tile_config(q, head_dim)), V_FIRST)[:4]
+    block_n, num_warps, num_stages = config or _tile_config(q, head_dim)
     if num_splits is None:
         num_splits = choose_num_splits(batch, num_kv_heads, block_tables.shape[1], block_size, block_n, q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
@@ -189,7 +185,7 @@ def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scal
             *part_strides,
             GROUP=group, HEAD_DIM=head_dim, BLOCK_SIZE=block_size, BLOCK_G=max(16, next_power_of_2(group)),
             BLOCK_N=block_n, BLOCK_D=padded_head_dim(head_dim), IEEE=ieee_dot(q.dtype),
-            UPCAST=interpreted(q.device), FINAL=final, V_FIRST=bool(v_first),
+            UPCAST=interpreted(q.device), FINAL=final,
             num_warps=num_warps, num_stages=num_stages,
         )
         if not final:

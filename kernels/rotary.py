@@ -1,7 +1,7 @@
 """norm_rope: per-head RMSNorm (Qwen3's q_norm / k_norm, optional) and the rotary embedding, in one kernel.
 
 One launch for each of q and k, where the unfused path (layers/norm.py then layers/rotary.py) takes ~34 a layer
-(docs/decisions/device-kernels.md, "Fused norms, rotary and silu"); norm_rope_qk does both in one launch.
+(docs/decisions/device-kernels.md, "Fused norms, rotary and silu").
 
 Contract: x [T, H, D] (any strides, the last 1; a slice of the fused qkv projection), positions [T] int,
 cos/sin float32 [max_position, D/2] (the rotate-half form: out = [x1*cos - x2*sin, x2*cos + x1*sin] for the
@@ -79,8 +79,6 @@ def _norm_rope_heads(
         tl.store(v_dst + HALF + dims, tl.load(value + HALF + dims, mask=keep), mask=keep)
 
 
-
-
 @triton.jit
 def _norm_rope_kernel(
     x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr,
@@ -99,34 +97,6 @@ def _norm_rope_kernel(
         HALF, BLOCK_HALF, BLOCK_H, HAS_NORM, HAS_STORE, CACHE_BLOCK)
 
 
-@triton.jit
-def _norm_rope_qk_kernel(
-    q_ptr, q_weight_ptr, q_out_ptr, stride_q_t, stride_q_h, stride_qo_t, stride_qo_h, num_q_heads, q_eps,
-    k_ptr, k_weight_ptr, k_out_ptr, stride_k_t, stride_k_h, stride_ko_t, stride_ko_h, num_k_heads, k_eps,
-    positions_ptr, cos_ptr, sin_ptr, stride_cos,
-    value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_v_t, stride_v_h,
-    stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok, stride_vc_head,
-    Q_BLOCKS: tl.constexpr, HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr,
-    HAS_NORM: tl.constexpr, HAS_STORE: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-):
-    """q's head blocks first, then k's (with the store): the two calls of _norm_rope_kernel in one launch."""
-    token, head_block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    if head_block < Q_BLOCKS:
-        _norm_rope_heads(
-            q_ptr, positions_ptr, cos_ptr, sin_ptr, q_weight_ptr, q_out_ptr, token, head_block,
-            stride_q_t, stride_q_h, stride_qo_t, stride_qo_h, stride_cos, num_q_heads, q_eps,
-            value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_v_t, stride_v_h,
-            stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok, stride_vc_head,
-            HALF, BLOCK_HALF, BLOCK_H, HAS_NORM, False, CACHE_BLOCK)
-    else:
-        _norm_rope_heads(
-            k_ptr, positions_ptr, cos_ptr, sin_ptr, k_weight_ptr, k_out_ptr, token, head_block - Q_BLOCKS,
-            stride_k_t, stride_k_h, stride_ko_t, stride_ko_h, stride_cos, num_k_heads, k_eps,
-            value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_v_t, stride_v_h,
-            stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok, stride_vc_head,
-            HALF, BLOCK_HALF, BLOCK_H, HAS_NORM, HAS_STORE, CACHE_BLOCK)
-
-
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               weight: torch.Tensor | None = None, eps: float = 1e-6, store: KVStore | None = None) -> torch.Tensor:
     _check(x, cos, weight, store)
@@ -142,36 +112,6 @@ def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: 
                 HALF=dim // 2, BLOCK_HALF=next_power_of_2(dim // 2), BLOCK_H=block_h, HAS_NORM=weight is not None,
                 HAS_STORE=store is not None, CACHE_BLOCK=store.k_cache.shape[1] if store is not None else 1)
     return out
-
-
-def norm_rope_qk(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                 q_weight: torch.Tensor | None = None, k_weight: torch.Tensor | None = None, q_eps: float = 1e-6,
-                 k_eps: float = 1e-6, store: KVStore | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """norm_rope(q, ..., q_weight, q_eps) and norm_rope(k, ..., k_weight, k_eps, store) in one launch, the same
-    bits: q [T, Hq, D] and k [T, Hkv, D] of the same tokens, both normalized or neither."""
-    _check(q, cos, q_weight)
-    _check(k, cos, k_weight, store)
-    if k.shape[0] != q.shape[0] or k.shape[2] != q.shape[2] or (q_weight is None) != (k_weight is None):
-        raise ValueError(f"norm_rope_qk needs q and k of the same tokens and head size, both normalized or neither, "
-                         f"got {tuple(q.shape)} and {tuple(k.shape)}")
-    tokens, q_heads, dim = q.shape
-    k_heads = k.shape[1]
-    q_out = torch.empty((tokens, q_heads, dim), dtype=q.dtype, device=q.device)
-    k_out = torch.empty((tokens, k_heads, dim), dtype=k.dtype, device=k.device)
-    block_h = min(next_power_of_2(max(q_heads, k_heads)), 16)
-    q_blocks = triton.cdiv(q_heads, block_h)
-    if tokens:
-        with on_device(q):
-            _norm_rope_qk_kernel[(tokens, q_blocks + triton.cdiv(k_heads, block_h))](
-                q, q_weight if q_weight is not None else q, q_out, q.stride(0), q.stride(1), q_out.stride(0),
-                q_out.stride(1), q_heads, q_eps,
-                k, k_weight if k_weight is not None else k, k_out, k.stride(0), k.stride(1), k_out.stride(0),
-                k_out.stride(1), k_heads, k_eps,
-                positions, cos, sin, cos.stride(0), *_store_args(store, k, k_out, positions),
-                Q_BLOCKS=q_blocks, HALF=dim // 2, BLOCK_HALF=next_power_of_2(dim // 2), BLOCK_H=block_h,
-                HAS_NORM=q_weight is not None, HAS_STORE=store is not None,
-                CACHE_BLOCK=store.k_cache.shape[1] if store is not None else 1)
-    return q_out, k_out
 
 
 def _check(x: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor | None, store: KVStore | None = None) -> None:

@@ -1,12 +1,13 @@
-"""Whether the layers run the fused Triton kernels (kernels/rms_norm.py, rotary.py, silu_and_mul.py): by default on
-CUDA tensors (on the CPU the Triton interpreter would be far slower). Benchmarks switch them off to measure what fusing
-pays (bench_engine_step.py --unfused). CUDA graphs keep the value they were captured with: set it before making an LLM.
+"""Whether the layers run the fused Triton kernels (kernels/rms_norm.py, rotary.py, silu_and_mul.py,
+skinny_gemm.py): by default on CUDA tensors (on the CPU the Triton interpreter would be far slower). Benchmarks switch
+them off to measure what fusing pays (bench_engine_step.py --unfused). CUDA graphs keep the value they were captured
+with: set it before making an LLM.
 """
 ENABLED = True
-# Kernels left out one by one ("rms_norm", "norm_rope", "silu_and_mul", "kv_store"): what each pays.
+# Kernels left out one by one ("rms_norm", "norm_rope", "silu_and_mul", "kv_store", "skinny_gemm"): what each pays.
 DISABLED: set[str] = set()
 # Built and exact but not yet shown to pay on the device: off unless in TRIED (bench_engine_step.py --try-kernels).
-UNMEASURED: frozenset[str] = frozenset({"skinny_gemm", "norm_rope_qk"})
+UNMEASURED: frozenset[str] = frozenset()
 TRIED: set[str] = set()
 
 

@@ -12,12 +12,13 @@ SKINNY_ROWS = 16  # kernels.skinny_gemm.MAX_ROWS: decode steps of at most this m
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias): torch's GEMM, or, for a decode step's few rows where switched on (layers/fused.py,
-    "skinny_gemm"), the kernel that streams the weight once (kernels/skinny_gemm.py)."""
+    """x @ weight.T (+ bias): torch's GEMM, or, for a decode step's few rows and a weight of the shapes it reads
+    faster (kernels.skinny_gemm.pays), the kernel that streams the weight once (layers/fused.py, "skinny_gemm")."""
     if x.dim() == 2 and x.shape[0] <= SKINNY_ROWS and x.stride(-1) == 1 and use_fused(x, "skinny_gemm"):
-        from kernels import skinny_linear
+        from kernels.skinny_gemm import pays, skinny_linear
 
-        return skinny_linear(x, weight, bias)
+        if pays(*weight.shape, x.device):
+            return skinny_linear(x, weight, bias)
     return nn.functional.linear(x, weight, bias)
 
 

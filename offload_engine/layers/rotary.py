@@ -28,20 +28,15 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
-
     def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None,
                         store=None):
-        """q and k normalized per head (Qwen3's q_norm, k_norm; or None) and rotated, one kernel each on CUDA (one for
-        both where "norm_rope_qk" is on). store: a kernels.KVStore the k kernel also writes k and v into (where
-        layers.fused.stores_kv_ahead says so)."""
+        """q and k normalized per head (Qwen3's q_norm, k_norm; or None) and rotated, one kernel each on CUDA. store:
+        a kernels.KVStore the k kernel also writes k and v into (where layers.fused.stores_kv_ahead says so)."""
         if use_fused(q, "norm_rope"):
-            from kernels import norm_rope, norm_rope_qk
+            from kernels import norm_rope
 
             weight = lambda norm: None if norm is None else norm.weight
             eps = lambda norm: 0.0 if norm is None else norm.eps
-            if use_fused(q, "norm_rope_qk"):  # q's and k's in one launch
-                return norm_rope_qk(q, k, positions, self.cos, self.sin, weight(q_norm), weight(k_norm), eps(q_norm),
-                                    eps(k_norm), store)
             return (norm_rope(q, positions, self.cos, self.sin, weight(q_norm), eps(q_norm)),
                     norm_rope(k, positions, self.cos, self.sin, weight(k_norm), eps(k_norm), store))
         if store is not None:

@@ -1,7 +1,6 @@
 """skinny_linear (decode's few-row projections) against float64 on fresh random data: ragged N and K against the
-tiles, one slice of K and several (split-K summed in slice order: the same bits every call), bias, GQA-sized fused
-projections, no rows; bad shapes are clear errors. On CUDA, the linear layers take it when switched on and match
-torch's GEMM."""
+tiles, bias, the same bits every call, GQA-sized fused projections, no rows; bad shapes are clear errors. The shape
+rule the layers take it by; on CUDA, the linear layers take it where it pays and match torch's GEMM."""
 import pytest
 import torch
 
@@ -37,22 +36,33 @@ def test_matches_float64(dtype, rows, k, n):
     _check(skinny_linear(x.to(TEST_DEVICE), w.to(TEST_DEVICE)), x, w, None)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3, 5])
-def test_every_slicing_of_k_gives_the_sum_with_bias(splits):
-    x, w, b = _case(4, 200, 40, torch.bfloat16, seed=splits, bias=True)  # 200: 7 tiles of 32, the last ragged
-    block_n, block_k, _, warps, stages = launch_config(4, 40, 200, torch.device(TEST_DEVICE))
-    got = skinny_linear(x.to(TEST_DEVICE), w.to(TEST_DEVICE), b.to(TEST_DEVICE),
-                        config=(block_n, block_k, splits, warps, stages))
+@pytest.mark.parametrize("block_k", [32, 64, 256])
+def test_ragged_k_with_bias_gives_the_sum_and_the_same_bits_every_call(block_k):
+    x, w, b = _case(4, 200, 40, torch.bfloat16, seed=block_k, bias=True)  # 200: ragged against every tile
+    block_n, _, warps, stages = launch_config(4, 40, 200, torch.device(TEST_DEVICE))
+    call = lambda: skinny_linear(x.to(TEST_DEVICE), w.to(TEST_DEVICE), b.to(TEST_DEVICE),
+                                 config=(block_n, block_k, warps, stages))
+    got = call()
     _check(got, x, w, b)
-    again = skinny_linear(x.to(TEST_DEVICE), w.to(TEST_DEVICE), b.to(TEST_DEVICE),
-                          config=(block_n, block_k, splits, warps, stages))
-    assert torch.equal(got, again)
+    assert torch.equal(got, call())
 
 
-def test_the_shape_rule_splits_k_where_columns_are_few_and_not_where_they_are_many():
-    device = torch.device(TEST_DEVICE)
-    assert launch_config(1, 32, 4096, device)[2] > 1
-    assert launch_config(1, 1 << 20, 4096, device)[2] == 1
+def test_the_shape_rule_takes_split_k_shapes_and_lm_heads_and_leaves_wide_projections_to_torch():
+    """On a GPU of 132 SMs: the 8B's attention output and down projection, and a vocabulary head, take the kernel;
+    its fused q/k/v and gate/up projections, and a 0.6B's attention output (too few columns to fill the SMs), do
+    not."""
+    from unittest import mock
+
+    from kernels import skinny_gemm
+
+    gpu = torch.device("cuda")
+    with mock.patch.object(skinny_gemm, "interpreted", lambda device: False), \
+            mock.patch.object(skinny_gemm, "sm_count", lambda device: 132):
+        assert skinny_gemm.pays(4096, 4096, gpu) and skinny_gemm.pays(4096, 12288, gpu)
+        assert skinny_gemm.pays(151936, 4096, gpu) and skinny_gemm.pays(151936, 1024, gpu)
+        assert not skinny_gemm.pays(6144, 4096, gpu) and not skinny_gemm.pays(24576, 4096, gpu)
+        assert not skinny_gemm.pays(1024, 2048, gpu)
+    assert skinny_gemm.pays(8, 4, torch.device("cpu")) == (TEST_DEVICE == "cpu")
 
 
 def test_strided_rows_no_rows_and_bad_shapes():
@@ -73,20 +83,27 @@ def test_strided_rows_no_rows_and_bad_shapes():
 
 @pytest.mark.skipif(TEST_DEVICE != "cuda", reason="the layers take the kernel on CUDA tensors only")
 @pytest.mark.parametrize("rows", [1, 8, 16, 17])
-def test_the_linear_layers_take_it_when_switched_on_and_match_torch(rows):
-    from offload_engine.layers import fused
+def test_the_linear_layers_take_it_where_it_pays_and_match_torch(rows, monkeypatch):
+    from offload_engine.layers import fused, linear
     from offload_engine.layers.linear import Linear
+    from kernels import skinny_gemm
 
-    layer = Linear(512, 384, bias=True).to(device="cuda", dtype=torch.bfloat16)
-    torch.nn.init.normal_(layer.weight, std=512 ** -0.5)
+    layer = Linear(8192, 4224, bias=True).to(device="cuda", dtype=torch.bfloat16)  # n <= k, 132 column blocks
+    torch.nn.init.normal_(layer.weight, std=8192 ** -0.5)
     torch.nn.init.normal_(layer.bias)
-    x = torch.randn(rows, 512, device="cuda", dtype=torch.bfloat16)
-    off = layer(x)
-    fused.TRIED.add("skinny_gemm")
+    x = torch.randn(rows, 8192, device="cuda", dtype=torch.bfloat16)
+    assert skinny_gemm.pays(4224, 8192, x.device)
+    calls = []
+    monkeypatch.setattr(skinny_gemm, "skinny_linear", lambda *a: calls.append(1) or torch.ops.aten.linear(*a))
+    layer(x)
+    assert len(calls) == (rows <= linear.SKINNY_ROWS)
+    monkeypatch.undo()
+    on = layer(x)
+    fused.DISABLED.add("skinny_gemm")
     try:
-        on = layer(x)
+        off = layer(x)
     finally:
-        fused.TRIED.discard("skinny_gemm")
+        fused.DISABLED.discard("skinny_gemm")
     _check(on, x.cpu(), layer.weight.cpu(), layer.bias.cpu())
     assert torch.allclose(on.double(), off.double(), rtol=2 ** -7, atol=1e-2)
 
