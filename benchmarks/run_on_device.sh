@@ -5,8 +5,8 @@
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
-#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, try-norm-rope-qk,
-#   kernels-two-gpus, issue59-four-gpus
+#   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, skinny-step,
+#   issue59-four-gpus, long-context-8b-decode
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -192,40 +192,35 @@ case "${1:-check}" in
     # lane's batch-1 attention of a long-context batch read 0.77 of it on the H200 host; ~2-3 min)
     step decode_tiles ${DECODE_TILES_LIMIT:-500} python3 -m benchmarks.sweep_decode_tiles --out "$OUT/decode_tiles.json"
     ;;
-  kernels-two-gpus)  # issue 59 on a host of two GPUs, one GPU and half the cores each, at once: on GPU 0 the decode
-    # kernel's tiles, then the step with q and k rotated in one launch; on GPU 1 the skinny projections' sweep, then
-    # the 8B step with them (each a GPU of its own: their HBM rates are their own)
-    half=$(( $(nproc) / 2 ))
-    (CUDA_VISIBLE_DEVICES=1 taskset -c $half-$(( 2 * half - 1 )) bash "$0" skinny-gemm > "$OUT/gpu1.log" 2>&1) &
-    CUDA_VISIBLE_DEVICES=0 taskset -c 0-$(( half - 1 )) bash "$0" decode-tiles
-    CUDA_VISIBLE_DEVICES=0 taskset -c 0-$(( half - 1 )) bash "$0" try-norm-rope-qk
-    wait; cat "$OUT/gpu1.log"; rm -f "$OUT/gpu1.log"
-    (cd "$OUT" && tar czf logs.tgz ./*.log && rm -f ./*.log)  # $OUT's 8 files
-    ;;
-  issue59-four-gpus)  # issue 59 on a host of four GPUs, a quarter of the cores a GPU, at once: GPU 0 the decode
-    # kernel's tiles, then q and k rotated in one launch; GPU 1 the skinny projections; GPUs 2-3 make test-gpu in four
-    # shards (test-gpu-shards). Everything comes back in $OUT/all.tgz.
+  issue59-four-gpus)  # issue 59 on a host of four GPUs, a quarter of the cores a GPU, at once: GPU 0 the skinny
+    # projections at every shape, then the decode step with them and without (skinny-step); GPUs 1-3 make test-gpu
+    # in six shards (test-gpu-shards). Everything comes back in $OUT/all.tgz. (The long-context runs stay on the
+    # one-GPU kind: this kind's memory grows as it is used, and the host pool's check sees too little at the start.)
     cores=$(( $(nproc) / 4 ))
-    group() {  # group GPU NAME CMD...: on GPU and its cores, numba's threads sized to them, under 550 s
-      local g=$1 name=$2; shift 2
-      CUDA_VISIBLE_DEVICES=$g NUMBA_NUM_THREADS=$cores taskset -c $((g * cores))-$(((g + 1) * cores - 1)) \
-        timeout 550 "$@" > "$OUT/$name.log" 2>&1; echo "--- $name exit $?"
-    }
-    group 0 gpu0 bash -c "DECODE_TILES_LIMIT=280 bash $0 decode-tiles; bash $0 try-norm-rope-qk" &
-    group 1 gpu1 bash "$0" skinny-gemm &
-    (SHARD_FIRST_GPU=2 SHARD_GPUS=2 SHARDS_PER_GPU=2 SHARD_LIMIT=540 bash "$0" test-gpu-shards > "$OUT/tests.log" 2>&1) &
-    wait; tail -n 6 "$OUT"/gpu*.log; cat "$OUT/tests.log"
-    (cd "$OUT" && tar czf all.tgz --exclude all.tgz . && find . -mindepth 1 ! -name all.tgz -delete)
+    (CUDA_VISIBLE_DEVICES=0 NUMBA_NUM_THREADS=$cores taskset -c 0-$((cores - 1)) timeout 560 bash "$0" skinny-step \
+      > "$OUT/gpu0.log" 2>&1; echo "--- skinny-step exit $?") &
+    (SHARD_FIRST_GPU=1 SHARD_GPUS=3 SHARDS_PER_GPU=2 SHARD_LIMIT=540 bash "$0" test-gpu-shards > "$OUT/tests.log" 2>&1) &
+    wait; cat "$OUT/gpu0.log" "$OUT/tests.log"
+    (cd "$OUT" && tar czf ../all.tgz . && find . -mindepth 1 -delete && mv ../all.tgz .)
+    ;;
+  long-context-8b-decode)  # issue 59 on one GPU: batch8b's decode alone, streaming on and off (no cpu run, no peer:
+    # both measured at 217dfeb), ~2.5 min
+    step long_context_8b 200 python3 -m benchmarks.bench_long_context --workload batch8b --skip-peer --skip-cpu \
+      --deadline-s 190 --out-dir "$OUT"
+    ;;
+  skinny-step)  # the skinny projections at every shape (default tiles), then the decode step with them and without
+    # them (bench_engine_step --unfused-kernels skinny_gemm): 8B at 1k and 32k, 0.6B at 2k
+    step skinny_gemm 80 python3 -m benchmarks.bench_skinny_gemm --out "$OUT/skinny_gemm.json"
+    step step_skinny_8b 260 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a \
+      --skip-throughput --batches 1,16 --contexts 1024,32768 --unfused --unfused-kernels skinny_gemm \
+      --model-cache /tmp/models_skinny_step --out-dir "$OUT/engine_step_skinny_8b"
+    step step_skinny_06b 180 python3 -m benchmarks.bench_engine_step --skip-hf --skip-a --skip-throughput \
+      --batches 1,16,64 --contexts 2048 --unfused --unfused-kernels skinny_gemm --model-cache /tmp/models_skinny_step \
+      --out-dir "$OUT/engine_step_skinny_06b"
     ;;
   skinny-gemm)  # issue 59: decode's projections, torch's GEMM against kernels/skinny_gemm.py at the 8B's shapes
-    # (whole and halved by TP=2), every tile setting at 1 and 16 rows; then the 8B decode step with it and without
-    step skinny_gemm 270 python3 -m benchmarks.bench_skinny_gemm --sweep --out "$OUT/skinny_gemm.json"
-    step step_skinny 270 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a --batches 1,4,16 \
-      --contexts 1024,32768 --try-kernels skinny_gemm --skip-throughput --out-dir "$OUT/engine_step_skinny"
-    ;;
-  try-norm-rope-qk)  # the decode step with q's and k's norm and rotation in one launch against two (0.6B: 28 layers)
-    step step_norm_rope_qk 260 python3 -m benchmarks.bench_engine_step --skip-hf --skip-a --batches 1,16,64,256 \
-      --contexts 512,2048 --try-kernels norm_rope_qk --skip-throughput --out-dir "$OUT/engine_step_norm_rope_qk"
+    # (whole and halved by TP=2), every tile setting at 1 and 16 rows
+    step skinny_gemm 300 python3 -m benchmarks.bench_skinny_gemm --sweep --out "$OUT/skinny_gemm.json"
     ;;
   weight-check)  # what the load-time NaN/infinity check of the weights costs at the 8B shape (bench_weight_check.py)
     step weight_check 240 python3 benchmarks/bench_weight_check.py --model qwen3-8b --out "$OUT/weight_check.json"
