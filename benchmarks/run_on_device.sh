@@ -160,13 +160,15 @@ case "${1:-check}" in
   test-gpu-shards)  # make test-gpu in one call on a host of several GPUs: one pytest per GPU, each on its own cores,
     # the files dealt out by size; outputs concatenated into $OUT/gpu_tests.txt. SHARD_GPUS: use only the first
     # N GPUs (and their cores), leaving the others to a benchmark run beside the tests; SHARD_FIRST_GPU: start at this
-    # GPU (and its cores) instead, with no shard of several GPUs; GPU_TESTS: the output's name
+    # GPU (and its cores) instead, with no shard of several GPUs; SHARD_MULTI_GPU=0: no shard of several GPUs
+    # either (their tests then skip in the one-GPU shards); GPU_TESTS: the output's name
     # (gpu_tests_flash_attn with OFFLOAD_ENGINE_ATTENTION_BACKEND=flash-attn); SHARDS_PER_GPU: pytest processes per
     # GPU, the GPU's cores split among them. A test that runs past 240 s dumps every thread's stack into the output
     # (pytest's faulthandler_timeout), so a hang names itself even when the shard's time limit then ends it.
     make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
     all=$(nvidia-smi -L | wc -l); gpus=${SHARD_GPUS:-$all}; per=${SHARDS_PER_GPU:-1}; shards=$((gpus * per))
-    cores=$(( $(nproc) / all / per )); first=${SHARD_FIRST_GPU:-0}; [ "$first" -gt 0 ] && all=1  # no shard of two
+    cores=$(( $(nproc) / all / per )); first=${SHARD_FIRST_GPU:-0}
+    [ "$first" -gt 0 ] || [ "${SHARD_MULTI_GPU:-1}" = 0 ] && all=1  # no shard of two GPUs
     # Tests of several GPUs (tensor parallelism, prefill/decode separation) get a shard of their own that sees two
     # GPUs (shared with the first shards) where the host has them; the rest are dealt out by size.
     files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_" | xargs wc -c | sort -rn | awk '$2!="total"{print $2}')
