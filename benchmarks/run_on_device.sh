@@ -6,7 +6,7 @@
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
 #   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, skinny-step,
-#   issue59-four-gpus, long-context-8b-decode
+#   issue59-four-gpus, long-context-8b-decode, issue59-one-gpu
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -205,6 +205,14 @@ case "${1:-check}" in
     wait; cat "$OUT/gpu0.log" "$OUT/tests.log"
     (cd "$OUT" && tar czf ../all.tgz . && find . -mindepth 1 -delete && mv ../all.tgz .)
     ;;
+  issue59-one-gpu)  # issue 59 on one GPU: the kernels' tests changed since the last make test-gpu, then batch8b's
+    # decode (long-context-8b-decode), then the skinny projections' A/B (skinny-step)
+    make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
+    step kernel_tests 120 env OFFLOAD_ENGINE_TEST_DEVICE=cuda .venv/bin/python -m pytest -q -rs tests/kernels/test_skinny_gemm.py \
+      tests/kernels/test_paged_decode.py tests/kernels/test_fused_norms.py
+    bash "$0" long-context-8b-decode
+    bash "$0" skinny-step
+    ;;
   long-context-8b-decode)  # issue 59 on one GPU: batch8b's decode alone, streaming on and off (no cpu run, no peer:
     # both measured at 217dfeb), ~2.5 min
     step long_context_8b 200 python3 -m benchmarks.bench_long_context --workload batch8b --skip-peer --skip-cpu \
@@ -212,11 +220,11 @@ case "${1:-check}" in
     ;;
   skinny-step)  # the skinny projections at every shape (default tiles), then the decode step with them and without
     # them (bench_engine_step --unfused-kernels skinny_gemm): 8B at 1k and 32k, 0.6B at 2k
-    step skinny_gemm 80 python3 -m benchmarks.bench_skinny_gemm --out "$OUT/skinny_gemm.json"
-    step step_skinny_8b 260 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a \
+    step skinny_gemm 60 python3 -m benchmarks.bench_skinny_gemm --out "$OUT/skinny_gemm.json"
+    step step_skinny_8b 200 python3 -m benchmarks.bench_engine_step --model qwen3-8b --skip-hf --skip-a \
       --skip-throughput --batches 1,16 --contexts 1024,32768 --unfused --unfused-kernels skinny_gemm \
       --model-cache /tmp/models_skinny_step --out-dir "$OUT/engine_step_skinny_8b"
-    step step_skinny_06b 180 python3 -m benchmarks.bench_engine_step --skip-hf --skip-a --skip-throughput \
+    step step_skinny_06b 120 python3 -m benchmarks.bench_engine_step --skip-hf --skip-a --skip-throughput \
       --batches 1,16,64 --contexts 2048 --unfused --unfused-kernels skinny_gemm --model-cache /tmp/models_skinny_step \
       --out-dir "$OUT/engine_step_skinny_06b"
     ;;

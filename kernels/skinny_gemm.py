@@ -31,7 +31,7 @@ def pays(n: int, k: int, device: torch.device) -> bool:
     per two SMs, and on LM heads. Always on the interpreter, whose tests then reach it at any shape."""
     if interpreted(device):
         return True
-    block_n = launch_config(1, n, k, device)[0]
+    block_n = launch_config(1, n, k, device)[0]  # the same at every row count and dtype
     return (n <= k and triton.cdiv(n, block_n) * 2 >= sm_count(device)) or n >= WIDE_HEAD * k
 
 
@@ -63,12 +63,13 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_w
              acc.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=where)
 
 
-def launch_config(rows: int, n: int, k: int, device: torch.device) -> tuple[int, int, int, int]:
-    """(BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes only: the sweep's best over the 8B's projections at one
-    row, and at 16 (bench_skinny_gemm.py --sweep)."""
+def launch_config(rows: int, n: int, k: int, device: torch.device, itemsize: int = 2) -> tuple[int, int, int, int]:
+    """(BLOCK_N, BLOCK_K, num_warps, num_stages) from shapes only: the sweep's best over the 8B's projections in
+    bf16 at one row, and at 16 (bench_skinny_gemm.py --sweep); BLOCK_K keeps its bytes for wider dtypes, so that the
+    stages fit in shared memory."""
     if interpreted(device):
         return 16, 32, 4, 1  # small tiles: the tests cross tiles
-    return (32, 512, 4, 3) if rows == 1 else (32, 256, 4, 4)
+    return (32, 1024 // itemsize, 4, 3) if rows == 1 else (32, 512 // itemsize, 4, 4)
 
 
 def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
@@ -81,7 +82,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
         return out
-    block_n, block_k, warps, stages = config or launch_config(rows, n, k, x.device)
+    block_n, block_k, warps, stages = config or launch_config(rows, n, k, x.device, x.element_size())
     with on_device(x):
         _skinny_kernel[(triton.cdiv(n, block_n),)](
             x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
