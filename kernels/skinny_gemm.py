@@ -1,9 +1,7 @@
 """skinny_linear: y = x @ W^T + b for the few rows of a decode step, streaming W once.
 
 Layout: x [M, K] with M <= MAX_ROWS and a unit last stride; weight [N, K] contiguous (nn.Linear's); bias [N] or
-None; y [M, N] contiguous in x's dtype. With `swiglu`, x is a fused gate/up projection's output [M, 2K] and the
-product's input is silu(gate) * up, computed as it is loaded with kernels/silu_and_mul.py's rounding points (one
-launch a layer fewer in an MLP's decode step).
+None; y [M, N] contiguous in x's dtype.
 
 Contract: float32 accumulation over the whole of K in one program, bias added in float32, one rounding to the dtype
 at the end: the same bits every call (no split of K, no atomics). The launch depends on shapes only (launch_config),
@@ -38,7 +36,7 @@ def pays(n: int, k: int, device: torch.device) -> bool:
 @triton.jit
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_om,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   SWIGLU: tl.constexpr, IEEE: tl.constexpr, UPCAST: tl.constexpr):
+                   IEEE: tl.constexpr, UPCAST: tl.constexpr):
     """One program per BLOCK_N output columns, over all of K."""
     rows = tl.arange(0, BLOCK_M)
     cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -46,13 +44,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_w
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + ks
-        inside = (rows[:, None] < M) & (k[None, :] < K)
-        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=inside, other=0.0)
-        if SWIGLU:  # x is the gate; its up is K columns on
-            up = tl.load(x_ptr + rows[:, None] * stride_xm + K + k[None, :], mask=inside, other=0.0)
-            gate = x.to(tl.float32)
-            silu = (gate / (1.0 + tl.exp(-gate))).to(x.dtype, fp_downcast_rounding="rtne")
-            x = (silu.to(tl.float32) * up.to(tl.float32)).to(x.dtype, fp_downcast_rounding="rtne")
+        x = tl.load(x_ptr + rows[:, None] * stride_xm + k[None, :], mask=(rows[:, None] < M) & (k[None, :] < K),
+                    other=0.0)
         w = tl.load(w_ptr + cols.to(tl.int64)[:, None] * stride_wn + k[None, :],
                     mask=(cols[:, None] < N) & (k[None, :] < K), other=0.0)
         acc += dot(x, tl.trans(w), IEEE, UPCAST)
@@ -72,12 +65,11 @@ def launch_config(rows: int, n: int, k: int, device: torch.device, itemsize: int
     return (32, 1024 // itemsize, 4, 3) if rows == 1 else (32, 512 // itemsize, 4, 4)
 
 
-def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *, swiglu: bool = False,
+def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
                   config: tuple[int, int, int, int] | None = None) -> torch.Tensor:
-    """-> x @ weight.T (+ bias), [M, N]; with swiglu, silu(gate) * up of x = [gate, up] in place of x. `config`
-    overrides launch_config (the sweep's and the tests' hook)."""
-    _check(x, weight, bias, swiglu)
-    rows, k = x.shape[0], weight.shape[1]
+    """-> x @ weight.T (+ bias), [M, N]. `config` overrides launch_config (the sweep's and the tests' hook)."""
+    _check(x, weight, bias)
+    rows, k = x.shape
     n = weight.shape[0]
     out = torch.empty(rows, n, dtype=x.dtype, device=x.device)
     if rows == 0 or n == 0:
@@ -87,19 +79,17 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         _skinny_kernel[(triton.cdiv(n, block_n),)](
             x, weight, bias if bias is not None else weight, out, rows, n, k, x.stride(0), weight.stride(0),
             out.stride(0), BLOCK_M=MAX_ROWS, BLOCK_N=block_n, BLOCK_K=block_k, HAS_BIAS=bias is not None,
-            SWIGLU=swiglu, IEEE=ieee_dot(x.dtype), UPCAST=interpreted(x.device) and x.dtype != torch.float32,
+            IEEE=ieee_dot(x.dtype), UPCAST=interpreted(x.device) and x.dtype != torch.float32,
             num_warps=warps, num_stages=stages)
     return out
 
 
-def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, swiglu: bool) -> None:
-    width = "2K" if swiglu else "K"
-    if x.dim() != 2 or x.stride(-1) != 1 or not 0 <= x.shape[0] <= MAX_ROWS or (swiglu and x.shape[1] % 2):
-        raise ValueError(f"skinny_linear needs x [M <= {MAX_ROWS}, {width}] with a unit last stride, got "
+def _check(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    if x.dim() != 2 or x.stride(-1) != 1 or not 0 <= x.shape[0] <= MAX_ROWS:
+        raise ValueError(f"skinny_linear needs x [M <= {MAX_ROWS}, K] with a unit last stride, got "
                          f"{tuple(x.shape)} (strides {x.stride()})")
-    k = x.shape[1] // 2 if swiglu else x.shape[1]
-    if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != k or weight.dtype != x.dtype:
-        raise ValueError(f"skinny_linear needs a contiguous weight [N, {k}] in {x.dtype}, got "
+    if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != x.shape[1] or weight.dtype != x.dtype:
+        raise ValueError(f"skinny_linear needs a contiguous weight [N, {x.shape[1]}] in {x.dtype}, got "
                          f"{tuple(weight.shape)} in {weight.dtype}")
     if bias is not None and (bias.shape != (weight.shape[0],) or not bias.is_contiguous()):
         raise ValueError(f"skinny_linear needs bias [{weight.shape[0]}] contiguous, got {tuple(bias.shape)}")

@@ -5,25 +5,21 @@ import torch
 from torch import nn
 
 from offload_engine.distributed.parallel_state import Partition, all_reduce
-from offload_engine.layers.activation import SiluAndMul
 from offload_engine.layers.fused import use_fused
 
 WHOLE = Partition()
 SKINNY_ROWS = 16  # kernels.skinny_gemm.MAX_ROWS: decode steps of at most this many rows may take it
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None, *,
-           swiglu: bool = False) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): torch's GEMM, or, for a decode step's few rows and a weight of the shapes it reads
-    faster (kernels.skinny_gemm.pays), the kernel that streams the weight once (layers/fused.py, "skinny_gemm").
-    swiglu: x is a fused gate/up projection's output and the product's input is silu(gate) * up, computed on the
-    kernel's loads where it takes x, else by SiluAndMul first."""
+    faster (kernels.skinny_gemm.pays), the kernel that streams the weight once (layers/fused.py, "skinny_gemm")."""
     if x.dim() == 2 and x.shape[0] <= SKINNY_ROWS and x.stride(-1) == 1 and use_fused(x, "skinny_gemm"):
         from kernels.skinny_gemm import pays, skinny_linear
 
         if pays(*weight.shape, x.device):
-            return skinny_linear(x, weight, bias, swiglu=swiglu)
-    return nn.functional.linear(SiluAndMul()(x) if swiglu else x, weight, bias)
+            return skinny_linear(x, weight, bias)
+    return nn.functional.linear(x, weight, bias)
 
 
 class Linear(nn.Module):
@@ -34,8 +30,8 @@ class Linear(nn.Module):
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
 
-    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, swiglu=swiglu)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
 
     def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:
         param.data.copy_(_narrowed(tensor, tuple(param.shape), 0, 0, param.shape[0]))
@@ -78,10 +74,10 @@ class RowParallelLinear(Linear):
         super().__init__(tp.share(in_features), out_features, bias)
         self.tp, self.in_features = tp, in_features
 
-    def forward(self, x: torch.Tensor, swiglu: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return linear(x, self.weight, self.bias, swiglu=swiglu)
-        out = all_reduce(linear(x, self.weight, swiglu=swiglu))
+            return linear(x, self.weight, self.bias)
+        out = all_reduce(linear(x, self.weight))
         return out if self.bias is None else out.add_(self.bias)  # once, not once per rank
 
     def load_weight(self, param: nn.Parameter, tensor, shard: str | None = None) -> None:

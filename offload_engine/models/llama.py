@@ -6,6 +6,7 @@ from torch import nn
 
 from offload_engine.config import ModelConfig
 from offload_engine.distributed.parallel_state import Partition
+from offload_engine.layers.activation import SiluAndMul
 from offload_engine.layers.attention import Attention
 from offload_engine.layers.attention_metadata import AttentionMetadata
 from offload_engine.layers.embedding import LMHead, VocabEmbedding
@@ -53,9 +54,10 @@ class LlamaMLP(nn.Module):
         size = cfg.intermediate_size
         self.gate_up_proj = FusedLinear(cfg.hidden_size, {"gate": size, "up": size}, bias=cfg.mlp_bias, tp=tp)
         self.down_proj = RowParallelLinear(size, cfg.hidden_size, bias=cfg.mlp_bias, tp=tp)
+        self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj(x), swiglu=True)  # SwiGLU: silu(gate) * up, then down
+        return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
 class LlamaDecoderLayer(nn.Module):

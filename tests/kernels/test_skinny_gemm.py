@@ -47,28 +47,6 @@ def test_ragged_k_with_bias_gives_the_sum_and_the_same_bits_every_call(block_k):
     assert torch.equal(got, call())
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows,k,n", [(1, 64, 48), (5, 100, 70), (16, 96, 33)])
-def test_swiglu_on_the_loads_gives_the_bits_of_silu_and_mul_then_the_product(dtype, rows, k, n):
-    """x = [gate, up] (a fused gate/up output, ragged against the tiles): the product's input is silu(gate) * up
-    with silu_and_mul's rounding points, so the result is the two launches' (bit for bit under the interpreter,
-    within float32's exp on a GPU) and within one rounding of float64 on that input."""
-    from kernels import silu_and_mul
-
-    x, w, b = _case(rows, 2 * k, n, dtype, seed=rows + k + n, bias=True)
-    w = w[:, :k].contiguous()
-    on = lambda t: t.to(TEST_DEVICE)
-    fused = skinny_linear(on(x), on(w), on(b), swiglu=True)
-    two = skinny_linear(silu_and_mul(on(x)), on(w), on(b))
-    _check(fused, silu_and_mul(on(x)).cpu(), w, b)
-    if TEST_DEVICE == "cpu":
-        assert torch.equal(fused, two)
-    else:
-        assert torch.allclose(fused.double(), two.double(), rtol=2 ** -7, atol=1e-3)
-    with pytest.raises(ValueError, match="2K"):
-        skinny_linear(on(x[:, 1:].contiguous()), on(w), swiglu=True)
-
-
 def test_the_shape_rule_takes_split_k_shapes_and_lm_heads_and_leaves_wide_projections_to_torch():
     """On a GPU of 132 SMs: the 8B's attention output and down projection, and a vocabulary head, take the kernel;
     its fused q/k/v and gate/up projections, and a 0.6B's attention output (too few columns to fill the SMs), do
