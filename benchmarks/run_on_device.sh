@@ -6,7 +6,7 @@
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
 #   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, skinny-step,
-#   issue59-four-gpus, long-context-8b-decode, issue59-one-gpu
+#   long-context-8b-decode
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -193,25 +193,6 @@ case "${1:-check}" in
   decode-tiles)  # the paged decode kernel's tiles and split counts against the HBM copy rate (issue 59: the device
     # lane's batch-1 attention of a long-context batch read 0.77 of it on the H200 host; ~2-3 min)
     step decode_tiles ${DECODE_TILES_LIMIT:-500} python3 -m benchmarks.sweep_decode_tiles --out "$OUT/decode_tiles.json"
-    ;;
-  issue59-four-gpus)  # issue 59 on a host of four GPUs, a quarter of the cores a GPU, at once: GPU 0 the skinny
-    # projections at every shape, then the decode step with them and without (skinny-step); GPUs 1-3 make test-gpu
-    # in six shards (test-gpu-shards). Everything comes back in $OUT/all.tgz. (The long-context runs stay on the
-    # one-GPU kind: this kind's memory grows as it is used, and the host pool's check sees too little at the start.)
-    cores=$(( $(nproc) / 4 ))
-    (CUDA_VISIBLE_DEVICES=0 NUMBA_NUM_THREADS=$cores taskset -c 0-$((cores - 1)) timeout 560 bash "$0" skinny-step \
-      > "$OUT/gpu0.log" 2>&1; echo "--- skinny-step exit $?") &
-    (SHARD_FIRST_GPU=1 SHARD_GPUS=3 SHARDS_PER_GPU=2 SHARD_LIMIT=540 bash "$0" test-gpu-shards > "$OUT/tests.log" 2>&1) &
-    wait; cat "$OUT/gpu0.log" "$OUT/tests.log"
-    (cd "$OUT" && tar czf ../all.tgz . && find . -mindepth 1 -delete && mv ../all.tgz .)
-    ;;
-  issue59-one-gpu)  # issue 59 on one GPU: the kernels' tests changed since the last make test-gpu, then batch8b's
-    # decode (long-context-8b-decode), then the skinny projections' A/B (skinny-step)
-    make --no-print-directory install > "$OUT/install.log" 2>&1 || { cat "$OUT/install.log"; exit 1; }; rm "$OUT/install.log"
-    step kernel_tests 120 env OFFLOAD_ENGINE_TEST_DEVICE=cuda .venv/bin/python -m pytest -q -rs tests/kernels/test_skinny_gemm.py \
-      tests/kernels/test_paged_decode.py tests/kernels/test_fused_norms.py
-    bash "$0" long-context-8b-decode
-    bash "$0" skinny-step
     ;;
   long-context-8b-decode)  # issue 59 on one GPU: batch8b's decode alone, streaming on and off (no cpu run, no peer:
     # both measured at 217dfeb), ~2.5 min
