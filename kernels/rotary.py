@@ -32,8 +32,8 @@ class KVStore(NamedTuple):
 
 
 @triton.jit
-def _norm_rope_heads(
-    x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr, token, head_block,
+def _norm_rope_kernel(
+    x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr,
     stride_x_t, stride_x_h, stride_out_t, stride_out_h, stride_cos,
     num_heads, eps,
     value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_v_t, stride_v_h,
@@ -41,7 +41,8 @@ def _norm_rope_heads(
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_STORE: tl.constexpr, CACHE_BLOCK: tl.constexpr,
 ):
-    """One token's heads [head_block * BLOCK_H, + BLOCK_H): norm, rotation, and the optional K/V store."""
+    """One program per token and block of BLOCK_H heads: norm, rotation, and the optional K/V store."""
+    token, head_block = tl.program_id(0).to(tl.int64), tl.program_id(1)
     heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
@@ -77,24 +78,6 @@ def _norm_rope_heads(
         v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_tok + heads * stride_vc_head
         tl.store(v_dst + dims, tl.load(value + dims, mask=keep), mask=keep)
         tl.store(v_dst + HALF + dims, tl.load(value + HALF + dims, mask=keep), mask=keep)
-
-
-@triton.jit
-def _norm_rope_kernel(
-    x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr,
-    stride_x_t, stride_x_h, stride_out_t, stride_out_h, stride_cos,
-    num_heads, eps,
-    value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_v_t, stride_v_h,
-    stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok, stride_vc_head,
-    HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
-    HAS_STORE: tl.constexpr, CACHE_BLOCK: tl.constexpr,
-):
-    _norm_rope_heads(
-        x_ptr, positions_ptr, cos_ptr, sin_ptr, weight_ptr, out_ptr, tl.program_id(0).to(tl.int64), tl.program_id(1),
-        stride_x_t, stride_x_h, stride_out_t, stride_out_h, stride_cos, num_heads, eps,
-        value_ptr, k_cache_ptr, v_cache_ptr, slot_ptr, stride_v_t, stride_v_h,
-        stride_kc_block, stride_kc_tok, stride_kc_head, stride_vc_block, stride_vc_tok, stride_vc_head,
-        HALF, BLOCK_HALF, BLOCK_H, HAS_NORM, HAS_STORE, CACHE_BLOCK)
 
 
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
