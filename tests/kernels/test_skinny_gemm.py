@@ -132,9 +132,3 @@ def test_the_engine_with_every_decode_projection_on_it_gives_transformers_greedy
         outputs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6), use_tqdm=False)
     assert [o.token_ids for o in outputs] == hf_greedy(qwen3_dir, prompts, 6)
     assert taken and max(taken) <= linear.SKINNY_ROWS
-
-
-def test_the_layers_row_limit_is_the_kernels():
-    from offload_engine.layers.linear import SKINNY_ROWS
-
-    assert SKINNY_ROWS == MAX_ROWS
