@@ -41,9 +41,8 @@ def _norm_rope_kernel(
     HALF: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_H: tl.constexpr, HAS_NORM: tl.constexpr,
     HAS_STORE: tl.constexpr, CACHE_BLOCK: tl.constexpr,
 ):
-    """One program per token and block of BLOCK_H heads: norm, rotation, and the optional K/V store."""
-    token, head_block = tl.program_id(0).to(tl.int64), tl.program_id(1)
-    heads = head_block * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
+    token = tl.program_id(0).to(tl.int64)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)[:, None]
     dims = tl.arange(0, BLOCK_HALF)[None, :]
     mask = (heads < num_heads) & (dims < HALF)
     base = x_ptr + token * stride_x_t + heads * stride_x_h
@@ -82,37 +81,28 @@ def _norm_rope_kernel(
 
 def norm_rope(x: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
               weight: torch.Tensor | None = None, eps: float = 1e-6, store: KVStore | None = None) -> torch.Tensor:
-    _check(x, cos, weight, store)
     tokens, heads, dim = x.shape
-    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
-    block_h = min(next_power_of_2(heads), 16)
-    if tokens:
-        with on_device(x):
-            _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
-                x, positions, cos, sin, weight if weight is not None else x, out,
-                x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), heads, eps,
-                *_store_args(store, x, out, positions),
-                HALF=dim // 2, BLOCK_HALF=next_power_of_2(dim // 2), BLOCK_H=block_h, HAS_NORM=weight is not None,
-                HAS_STORE=store is not None, CACHE_BLOCK=store.k_cache.shape[1] if store is not None else 1)
-    return out
-
-
-def _check(x: torch.Tensor, cos: torch.Tensor, weight: torch.Tensor | None, store: KVStore | None = None) -> None:
-    dim = x.shape[-1]
-    if x.dim() != 3 or dim % 2 or x.stride(-1) != 1 or cos.shape[1] != dim // 2 or cos.dtype != torch.float32:
+    if dim % 2 or x.stride(-1) != 1 or cos.shape[1] != dim // 2 or cos.dtype != torch.float32:
         raise ValueError(f"norm_rope needs x [T, H, D] (D even, unit last stride) and float32 cos/sin [P, D/2], got "
                          f"{tuple(x.shape)} (strides {x.stride()}) and {tuple(cos.shape)} {cos.dtype}")
     if weight is not None and weight.shape != (dim,):
         raise ValueError(f"norm_rope: weight {tuple(weight.shape)} is not [{dim}]")
     if store is not None:
         _check_store(x, store)
-
-
-def _store_args(store: KVStore | None, x: torch.Tensor, out: torch.Tensor, positions: torch.Tensor) -> tuple:
-    """The kernel's store arguments; without a store it touches none of them (HAS_STORE): x and out stand in."""
+    out = torch.empty((tokens, heads, dim), dtype=x.dtype, device=x.device)
+    block_h = min(next_power_of_2(heads), 16)
+    # Without a store the kernel touches none of its arguments (HAS_STORE): x and out stand in.
     value, k_cache, v_cache, slots = store if store is not None else (x, out, out, positions)
     cache_strides = (*k_cache.stride()[:3], *v_cache.stride()[:3]) if store is not None else (0,) * 6
-    return (value, k_cache, v_cache, slots, value.stride(0), value.stride(1), *cache_strides)
+    if tokens:
+        with on_device(x):
+            _norm_rope_kernel[(tokens, triton.cdiv(heads, block_h))](
+                x, positions, cos, sin, weight if weight is not None else x, out,
+                x.stride(0), x.stride(1), out.stride(0), out.stride(1), cos.stride(0), heads, eps,
+                value, k_cache, v_cache, slots, value.stride(0), value.stride(1), *cache_strides,
+                HALF=dim // 2, BLOCK_HALF=next_power_of_2(dim // 2), BLOCK_H=block_h, HAS_NORM=weight is not None,
+                HAS_STORE=store is not None, CACHE_BLOCK=k_cache.shape[1] if store is not None else 1)
+    return out
 
 
 def _check_store(x: torch.Tensor, store: KVStore) -> None:

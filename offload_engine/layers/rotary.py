@@ -28,6 +28,7 @@ class RotaryEmbedding(nn.Module):
         sin = self.sin[positions].unsqueeze(1)
         return _rotate(q, cos, sin), _rotate(k, cos, sin)
 
+
     def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None,
                         store=None):
         """q and k normalized per head (Qwen3's q_norm, k_norm; or None) and rotated, one kernel each on CUDA. store:
@@ -35,10 +36,10 @@ class RotaryEmbedding(nn.Module):
         if use_fused(q, "norm_rope"):
             from kernels import norm_rope
 
-            weight = lambda norm: None if norm is None else norm.weight
-            eps = lambda norm: 0.0 if norm is None else norm.eps
-            return (norm_rope(q, positions, self.cos, self.sin, weight(q_norm), eps(q_norm)),
-                    norm_rope(k, positions, self.cos, self.sin, weight(k_norm), eps(k_norm), store))
+            fused = lambda x, norm, store=None: norm_rope(x, positions, self.cos, self.sin,
+                                                          None if norm is None else norm.weight,
+                                                          0.0 if norm is None else norm.eps, store)
+            return fused(q, q_norm), fused(k, k_norm, store)
         if store is not None:
             raise ValueError("a K/V store inside the rotation needs the fused norm_rope kernel (layers/fused.py)")
         if q_norm is not None:
