@@ -202,9 +202,11 @@ class LaneStats:
     @property
     def stream_slowdown_ratio(self) -> float:
         """How much slower device steps are beside a host step that streams than beside one that does not (the copies
-        take SMs and PCIe); STREAM_SLOWDOWN_PRIOR until both were seen."""
+        take SMs and PCIe); STREAM_SLOWDOWN_PRIOR until both were seen. At least 1: streaming only adds work to the
+        device, so a ratio below 1 is noise (two samples taken at different times), and taken as it is it would make
+        streaming pay whatever the host lane gains."""
         streaming, plain = self._slowdown((True,)), self._slowdown((False,))
-        return streaming / plain if streaming and plain else STREAM_SLOWDOWN_PRIOR
+        return max(1.0, streaming / plain) if streaming and plain else STREAM_SLOWDOWN_PRIOR
 
     def _slowdown(self, streams: tuple[bool, ...]) -> float | None:
         total = weight_sum = 0.0

@@ -7,7 +7,9 @@ how many blocks a step streams.
 """
 from offload_engine.engine.sequence import Sequence
 
-STREAM_PROBE_STEPS = 16  # a refused share is streamed anyway this often, so the device lane's cost is measured again
+# Beside device rows, after this many host steps of one choice the next takes the other: both sides of the device
+# lane's cost (stream_slowdown_ratio) stay measured, so a stale sample cannot lock the choice in either way.
+STREAM_PROBE_STEPS = 16
 
 
 def full_host_blocks(seq: Sequence, block_size: int) -> int:
@@ -27,7 +29,8 @@ class StreamShare:
         """capacity_blocks: host blocks one step can stream per layer (the staging buffer's); 0: streaming is off."""
         self.capacity_blocks, self.block_size = capacity_blocks, block_size
         self.fixed: float | None = None  # pins the share (tests, A/B runs); None: balanced from the measured rates
-        self.plain_steps = 0  # host steps since one streamed
+        self.choice: bool | None = None  # whether the last host step beside device rows streamed...
+        self.repeats = 0  # ...and how many before it in a row chose the same
 
     @property
     def enabled(self) -> bool:
@@ -35,16 +38,25 @@ class StreamShare:
 
     def share(self, stats, host_rows: list[Sequence] = (), device_rows: int = 0) -> float:
         """The share of full host blocks to stream in a host step of host_rows beside device_rows device rows: the
-        pinned one, else balanced from LaneStats' rates where streaming pays (or is due for a probe), else 0."""
+        pinned one; else balanced from LaneStats' rates, always without device rows, and beside them where streaming
+        pays, except that a host step after STREAM_PROBE_STEPS of one choice takes the other (a probe)."""
         if not self.enabled:
             return 0.0
         if self.fixed is not None:
             return self.fixed
         share = balanced_share(stats.host_read_seconds_per_byte, stats.stream_seconds_per_byte)
-        if share and not streaming_pays(host_rows, device_rows, share, stats) and self.plain_steps < STREAM_PROBE_STEPS:
-            share = 0.0
-        self.plain_steps = 0 if share else self.plain_steps + 1
-        return share
+        if not share or not device_rows:
+            return share
+        streams = streaming_pays(host_rows, device_rows, share, stats)
+        stats.record_check("stream", streams)
+        if streams == self.choice:
+            self.repeats += 1
+        else:
+            self.choice, self.repeats = streams, 0
+        if self.repeats >= STREAM_PROBE_STEPS:
+            streams, self.choice, self.repeats = not streams, not streams, 0
+            stats.record_check("stream_probe", streams)
+        return share if streams else 0.0
 
     def blocks(self, seqs: list[Sequence], share: float) -> list[int]:
         """Per row, how many leading host blocks to stream: `share` of its full ones, scaled down to the capacity."""

@@ -82,3 +82,28 @@ def test_a_refused_share_is_probed_and_the_measured_cost_replaces_the_prior():
         busy.device_step_done(rows=1, seconds=1.1 / 1000, host_busy=True)
         busy.device_step_done(rows=1, seconds=1.21 / 1000, host_busy=True, host_streams=True)
     assert busy.stream_slowdown_ratio == pytest.approx(1.1) and busy.slowdown == pytest.approx(1.155)
+
+
+def test_a_streamed_share_is_probed_plain_so_a_stale_sample_cannot_lock_streaming_in():
+    """Where streaming pays, every STREAM_PROBE_STEPS + 1'th host step beside device rows runs plain, so the samples of
+    device steps beside a plain host step stay fresh; each choice is counted in the checks."""
+    rows = [_seq(32768) for _ in range(4)]
+    share, stats = StreamShare(capacity_blocks=10**6, block_size=16), _measured(device_tok_s=10)
+    shares = [share.share(stats, rows, device_rows=1) for _ in range(2 * STREAM_PROBE_STEPS + 2)]
+    plain = [k for k, s in enumerate(shares) if s == 0.0]
+    assert plain == [STREAM_PROBE_STEPS, 2 * STREAM_PROBE_STEPS + 1]
+    assert stats.checks[("stream", True)] == len(shares) and stats.checks[("stream_probe", False)] == 2
+    assert [share.share(stats, rows, device_rows=0) for _ in range(3 * STREAM_PROBE_STEPS)] == [shares[0]] * (
+        3 * STREAM_PROBE_STEPS)  # without device rows there is no cost to measure, and no probe
+
+
+def test_device_steps_faster_beside_streaming_read_as_no_slowdown():
+    """A ratio below 1 (beside a plain host step measured slower than beside a streaming one) is noise: taken as it
+    is, it would make streaming pay whatever the host lane gained."""
+    stats = _measured(device_tok_s=1000)
+    for _ in range(4):
+        stats.device_step_done(rows=1, seconds=1.2 / 1000, host_busy=True)
+        stats.device_step_done(rows=1, seconds=1.05 / 1000, host_busy=True, host_streams=True)
+    assert stats.stream_slowdown_ratio == 1.0
+    rows = [_seq(32768) for _ in range(4)]
+    assert StreamShare(capacity_blocks=10**6, block_size=16).share(stats, rows, device_rows=1) > 0  # no cost: pays
