@@ -232,13 +232,16 @@ class LLM:
             ids = ids.tolist()
         if not isinstance(ids, (list, tuple)):
             raise ValueError(f"prompt {i} is a {type(ids).__name__}: pass strings or token-id lists")
+        if _all_ints(ids):
+            return list(ids)
         return [int(t) if _is_token_id(t) else t for t in ids]
 
     def _check_prompt(self, i: int, token_ids: list[int]) -> None:
         if not token_ids:
             raise ValueError(f"prompt {i} is empty: every prompt needs at least one token")
         vocab = self.model_config.vocab_size
-        bad = next((t for t in token_ids if not _is_token_id(t) or not 0 <= t < vocab), None)
+        in_range = _all_ints(token_ids) and min(token_ids) >= 0 and max(token_ids) < vocab
+        bad = None if in_range else next((t for t in token_ids if not _is_token_id(t) or not 0 <= t < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt {i} has token id {bad!r} outside [0, {vocab}): use this model's tokenizer")
         if len(token_ids) >= self.max_model_len:
@@ -270,6 +273,12 @@ class LLM:
 
     def __exit__(self, *exc):
         self.close()
+
+
+def _all_ints(ids) -> bool:
+    """Whether every element is exactly a Python int, checked at C speed: the common case, where a check token by
+    token (_is_token_id's ABC test) took about 0.5 s of a call's wall time for 262,144 prompt tokens."""
+    return set(map(type, ids)) <= {int}
 
 
 def _is_token_id(value) -> bool:

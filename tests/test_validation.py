@@ -38,6 +38,8 @@ def llm(qwen3_dir):
     ([[1, 256]], "outside"),
     ([[1, -1]], "outside"),
     ([[1, 2.5]], "outside"),
+    ([[1, True]], "outside"),
+    ([[1, np.int64(256)]], "outside"),
     ([1, 2, 3], "token-id lists"),
     (["text"], "tokenizer"),
 ])
@@ -291,3 +293,12 @@ def test_numpy_integers_count_as_ints():
     config = EngineConfig(device="cpu", num_gpu_blocks=np.int64(8), cpu_kv_cache_gb=np.float32(0.5))
     config.validate()
     assert type(config.num_gpu_blocks) is int and type(config.cpu_kv_cache_gb) is float
+
+
+def test_prompts_of_numpy_integers_or_tuples_read_as_lists_of_ints(llm):
+    """The whole-prompt fast check (every id a Python int) and the per-token one agree on what a prompt says."""
+    ids = [3, 17, 42, 5, 9]
+    forms = [ids, tuple(ids), [np.int64(t) for t in ids], np.array(ids, dtype=np.int32)]
+    outs = [llm.generate([form], SamplingParams(temperature=0, max_tokens=3), use_tqdm=False)[0] for form in forms]
+    assert all(o.prompt_token_ids == ids and type(o.prompt_token_ids[1]) is int for o in outs)
+    assert len({tuple(o.token_ids) for o in outs}) == 1
