@@ -241,13 +241,14 @@ class FakeRunner:
         return False
 
 
-def build_engine(policy: str, point: Point, clock: SimClock, cost: CostModel) -> LLMEngine:
-    """An LLMEngine with the real scheduler, pools and lane statistics around the fake runner, host lane and clock."""
+def build_engine(policy: str, point: Point, clock: SimClock, cost: CostModel, in_parts: bool = False) -> LLMEngine:
+    """An LLMEngine with the real scheduler, pools and lane statistics around the fake runner, host lane and clock
+    (in_parts: Scheduler.promote_in_parts)."""
     blocks = BlockManager(point.num_gpu_blocks, DEVICE_BLOCK_SIZE, HOST_POOL_BLOCKS[point.model], HOST_BLOCK_SIZE,
                           enable_prefix_caching=True)
     stats = LaneStats(cost.kv_bytes, 1 / cost.link_bytes_per_s)
     scheduler = Scheduler(blocks, policy, MAX_NUM_SEQS, MAX_NUM_BATCHED_TOKENS, point.max_model_len,
-                          eos_token_ids=(), kv_promotion=True, stats=stats)
+                          eos_token_ids=(), kv_promotion=True, stats=stats, promote_in_parts=in_parts)
     runner, host_lane = FakeRunner(clock, cost), FakeHostLane(clock, cost)
     cfg = EngineConfig(kv_placement=policy, block_size=DEVICE_BLOCK_SIZE, cpu_block_size=HOST_BLOCK_SIZE,
                        max_num_seqs=MAX_NUM_SEQS, max_num_batched_tokens=MAX_NUM_BATCHED_TOKENS, async_scheduling=True)
@@ -264,10 +265,10 @@ def add_requests(engine: LLMEngine, point: Point) -> None:
         engine.add(Sequence(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True), prompt_len + output_len))
 
 
-def simulate(policy: str, point: Point, cost: CostModel | None = None) -> dict:
+def simulate(policy: str, point: Point, cost: CostModel | None = None, in_parts: bool = False) -> dict:
     """Runs every request of the point to its end under `policy`; returns what a device run would report."""
     clock = SimClock()
-    engine = build_engine(policy, point, clock, cost or COST_MODELS[point.model])
+    engine = build_engine(policy, point, clock, cost or COST_MODELS[point.model], in_parts)
     add_requests(engine, point)
     while engine.has_work():
         engine.step()
@@ -293,11 +294,11 @@ def summarize(policy: str, point: Point, engine: LLMEngine, seconds: float) -> d
     }
 
 
-def compare(point: Point, device_ms_per_host_step: float | None = None) -> dict:
+def compare(point: Point, device_ms_per_host_step: float | None = None, in_parts: bool = False) -> dict:
     cost = COST_MODELS[point.model]
     if device_ms_per_host_step is not None:
         cost = replace(cost, device_s_per_host_step=device_ms_per_host_step / 1e3)
-    by_policy = {policy: simulate(policy, point, cost) for policy in POLICIES}
+    by_policy = {policy: simulate(policy, point, cost, in_parts) for policy in POLICIES}
     model = {} if device_ms_per_host_step is None else {"device_ms_per_host_step": device_ms_per_host_step}
     return {**asdict(point), "workload": point.workload, "num_cpu_blocks": HOST_POOL_BLOCKS[point.model], **model,
             **by_policy,
@@ -357,6 +358,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device-ms-per-host-step", type=float,
                         help="a single point's host steps each cost the device lane this many ms (its weight reads), "
                              "instead of the cost model's constant slowdown (8B on the H100 host: 2.7-3.3)")
+    parser.add_argument("--promote-in-parts", action="store_true",
+                        help="host rows take spare device room as split rows (Scheduler.promote_in_parts); the fake "
+                             "runner charges every copied token to the device lane, the parts' early copies too")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     if args.device_ms_per_host_step is not None and args.model is None:
@@ -377,7 +381,7 @@ def main() -> None:
     print(HEADER)
     results = []
     for point in points:
-        results.append(compare(point, args.device_ms_per_host_step))
+        results.append(compare(point, args.device_ms_per_host_step, args.promote_in_parts))
         print(format_line(results[-1]), flush=True)
     ratios = [result["auto_over_gpu"] for result in results]
     print(f"auto/gpu over {len(ratios)} points: min {min(ratios):.3f}, mean {sum(ratios) / len(ratios):.4f}, "

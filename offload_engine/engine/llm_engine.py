@@ -2,6 +2,7 @@
 (docs/design.md, "One engine step, two decode lanes"). A row in flight in a lane is left alone until it is back; the
 device lane never waits for the host lane.
 """
+import os
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -22,6 +23,13 @@ from offload_engine.engine.tiers.move_staging import split_moves
 # KV per promotion copy that lands on its own: the device lane takes up a group's rows while the rest still cross.
 # docs/decisions/engine-step.md, "Promotion groups".
 PROMOTION_GROUP_BYTES = 512 << 20
+
+
+def promote_in_parts() -> bool:
+    """OFFLOAD_ENGINE_PROMOTE_IN_PARTS=1: host rows take spare device room as split rows and are promoted in parts
+    (Scheduler.promote_in_parts). Off until measured on a GPU host (docs/decisions/placement.md, "Promotion in
+    parts")."""
+    return os.environ.get("OFFLOAD_ENGINE_PROMOTE_IN_PARTS", "0") == "1"
 
 
 @dataclass
@@ -69,7 +77,7 @@ class LLMEngine:
             stats.device_prefill_elsewhere = cfg.prefill_device is not None
             scheduler = Scheduler(blocks, cfg.kv_placement, cfg.max_num_seqs, cfg.max_num_batched_tokens,
                                   max_model_len, eos_token_ids, cfg.kv_promotion, stats,
-                                  segment_tokens=runner.segment_tokens)
+                                  segment_tokens=runner.segment_tokens, promote_in_parts=promote_in_parts())
             prefill = PrefillLane.start(model_dir, model_cfg, cfg, dtype, max_model_len, runner, blocks) \
                 if cfg.prefill_device is not None else None
         except BaseException:

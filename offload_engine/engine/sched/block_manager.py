@@ -116,7 +116,8 @@ class BlockPool:
 
 @dataclass
 class DevicePartGrowth:
-    """A split sequence's device part taking over the first blocks of its host part, shaped as a promotion move
+    """A split sequence's device part taking over the first blocks of its host part (or all of them, when it is
+    promoted), shaped as a promotion move
     (kv_promotion copies `num_computed_tokens` tokens into `block_table`); `in_flight` is the sequence's."""
 
     seq: Sequence
@@ -223,11 +224,14 @@ class BlockManager:
         return old_table
 
     def grow_device_part(self, seq: Sequence, num_host_blocks: int) -> tuple[DevicePartGrowth, list[int]]:
-        """Moves the first num_host_blocks (computed, full) of a split sequence's host part to the end of its device
-        part. Returns the move and the old host blocks: the caller copies them before anything else is scheduled."""
+        """Moves the first num_host_blocks (computed, full) of a host-tier sequence's host part to the end of its
+        device part; a whole host row becomes a split one. Returns the move and the old host blocks: the caller copies
+        them before anything else is scheduled."""
         gpu, cpu = self.pools[BlockLocation.GPU], self.pools[BlockLocation.CPU]
         tokens = num_host_blocks * cpu.block_size
-        assert seq.is_split and tokens <= seq.num_computed_tokens - seq.num_device_tokens
+        assert seq.location == BlockLocation.CPU and tokens <= seq.num_computed_tokens - seq.num_device_tokens
+        if not seq.is_split:
+            seq.num_hashed_blocks = 0  # it counted host blocks; a split row registers its device part's
         old = seq.block_table[:num_host_blocks]
         for block_id in reversed(old):
             cpu.release(block_id)
@@ -236,6 +240,21 @@ class BlockManager:
         seq.block_table = seq.block_table[num_host_blocks:]
         seq.num_device_tokens += tokens
         self.register_computed_blocks(seq)
+        return DevicePartGrowth(seq, tokens, new), old
+
+    def promote_split(self, seq: Sequence) -> tuple[DevicePartGrowth, list[int]]:
+        """Moves a split sequence's whole host part (its computed tokens) after its device part: it becomes a device
+        row. Returns the move and the old host blocks: the caller copies them before anything else is scheduled."""
+        gpu, cpu = self.pools[BlockLocation.GPU], self.pools[BlockLocation.CPU]
+        assert seq.is_split and seq.location == BlockLocation.CPU
+        tokens = seq.num_computed_tokens - seq.num_device_tokens
+        old = seq.block_table
+        for block_id in reversed(old):
+            cpu.release(block_id)
+        new = [gpu.take_free() for _ in range(gpu.blocks_for(tokens))]
+        seq.block_table, seq.device_prefix = seq.device_prefix + new, []
+        seq.num_device_tokens, seq.location = 0, BlockLocation.GPU
+        self.register_computed_blocks(seq)  # on from the device part's blocks, registered already
         return DevicePartGrowth(seq, tokens, new), old
 
     def settle(self, location: BlockLocation) -> bool:

@@ -76,11 +76,14 @@ def split_device_tokens(seq: Sequence, policy: str, blocks: BlockManager, runnin
 
 
 def split_growth(seq: Sequence, blocks: BlockManager, running: Iterable[Sequence],
-                 waiting: Iterable[Sequence] = ()) -> int:
+                 waiting: Iterable[Sequence] = (), in_parts: bool = False) -> int:
     """How many leading host blocks of a split sequence move to the device now (0: none), by split_device_tokens'
-    rule. Only computed, full host blocks move, so the host part stays aligned at its first token."""
+    rule. Only computed, full host blocks move, so the host part stays aligned at its first token. With `in_parts`
+    a whole host row that the device pool could hold takes spare room the same way, as a split row: promoting it
+    later then moves only the rest (promotions)."""
     gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)
-    if not seq.is_split or seq.in_flight or seq.in_prefill:
+    whole_host_row = in_parts and seq.location == CPU and gpu.blocks_for(seq.budget) <= gpu.num_blocks
+    if not (seq.is_split or whole_host_row) or seq.in_flight or seq.in_prefill:
         return 0
     spare = _spare_device_blocks(seq, blocks, running, waiting) * gpu.block_size // cpu.block_size
     return max(0, min(spare, (seq.num_computed_tokens - seq.num_device_tokens) // cpu.block_size))
@@ -211,9 +214,10 @@ SWAP_GAP_TOKENS = 1
 
 
 def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: int = 0,
-               stats: LaneStats | None = None, rotate: bool = False) -> Iterator[Sequence]:
+               stats: LaneStats | None = None, rotate: bool = False, in_parts: bool = False) -> Iterator[Sequence]:
     """Host-tier sequences the device pool can take now (extra_room: blocks about to free up), most tokens left first,
-    leaving PROMOTION_HEADROOM_TOKENS of room; with `rotate`, also rows that swap in (_swaps_in)."""
+    leaving PROMOTION_HEADROOM_TOKENS of room; with `rotate`, also rows that swap in (_swaps_in). With `in_parts`,
+    split rows too, which need room for their host part only."""
     gpu = blocks.pool(GPU)
     running = list(running)
     ahead = lambda seq, tokens: gpu.blocks_for(min(len(seq) + tokens, seq.budget))
@@ -222,16 +226,17 @@ def promotions(running: Iterable[Sequence], blocks: BlockManager, extra_room: in
     # Room for every device row's next token only: what a swap needs (a pass over the rows, so only if asked).
     tight_room = gpu.num_free + extra_room - lacking(1) if rotate else 0
     candidates = [seq for seq in running
-                  if seq.location == CPU and not seq.is_split and not seq.in_flight and not seq.in_prefill]
+                  if seq.location == CPU and (in_parts or not seq.is_split) and not seq.in_flight and not seq.in_prefill]
     promoted: set[int] = set()
     swapping = rotate
     for seq in sorted(candidates, key=lambda s: -s.tokens_left):  # stable: admission order among equals
         if gpu.blocks_for(seq.budget) > gpu.num_blocks:
             continue
-        next_token = gpu.blocks_for(len(seq) + 1)
-        needed = max(ahead(seq, PROMOTION_HEADROOM_TOKENS), next_token)
+        held = len(seq.device_prefix)  # a split row's device part is on the device already
+        next_token = gpu.blocks_for(len(seq) + 1) - held
+        needed = max(ahead(seq, PROMOTION_HEADROOM_TOKENS), next_token + held) - held
         if needed > room:
-            if not swapping or next_token > tight_room:
+            if not swapping or next_token > tight_room or held:
                 continue
             # One try a call: the candidates after one that would not swap have fewer tokens left still.
             swapping = _swaps_in(seq, running, promoted, stats)

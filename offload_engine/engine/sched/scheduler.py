@@ -9,6 +9,7 @@ from itertools import islice
 
 from offload_engine.engine.sched import placement
 from offload_engine.engine.sched.block_manager import BlockManager
+from offload_engine.engine.sched.host_stay import promotion_order
 from offload_engine.engine.sched.lane_stats import LaneStats
 from offload_engine.engine.sched.placement import choose_tier, demotes, demotion_victims, promotions
 from offload_engine.engine.sched.plan import LaneState, StepPlan, Wait
@@ -22,10 +23,13 @@ DEMOTION_SPARE_STEPS = 3
 class Scheduler:
     def __init__(self, blocks: BlockManager, kv_placement: str, max_num_seqs: int, max_num_batched_tokens: int,
                  max_model_len: int, eos_token_ids: tuple[int, ...], kv_promotion: bool = False,
-                 stats: LaneStats | None = None, segment_tokens: int = 0):
+                 stats: LaneStats | None = None, segment_tokens: int = 0, promote_in_parts: bool = False):
         self.blocks = blocks
         self.kv_placement = kv_placement
         self.kv_promotion = kv_promotion and kv_placement == "auto"
+        # Host rows take spare device room for their leading blocks (as split rows), and the rest moves when room frees
+        # (placement.split_growth, placement.promotions): a promotion then waits on part of a row's copy only.
+        self.promote_in_parts = promote_in_parts and self.kv_promotion
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.segment_tokens = segment_tokens  # of a layer-major prefill segment; 0: none
@@ -180,13 +184,20 @@ class Scheduler:
             return []
         self.blocks.pool(BlockLocation.GPU).reclaim()
         # With no request waiting for room, host rows may swap places with device rows nearer their end.
-        promoted = list(promotions(self.running, self.blocks, stats=self.stats, rotate=not self.waiting))
-        moves = [(seq, self.blocks.move(seq, BlockLocation.GPU)) for seq in promoted]
-        for seq, _ in moves:
+        in_parts = self.promote_in_parts
+        promoted = list(promotions(self.running, self.blocks, stats=self.stats, rotate=not self.waiting,
+                                   in_parts=in_parts))
+        for seq in promoted:
             seq.promoted = True
+        moves = [self.blocks.promote_split(seq) if seq.is_split else (seq, self.blocks.move(seq, BlockLocation.GPU))
+                 for seq in promoted]
         self.num_promotions += len(moves)
-        for seq in [s for s in self.running if s.is_split]:
-            count = placement.split_growth(seq, self.blocks, self.running, self._could_join())
+        growing = [s for s in self.running if s.is_split]
+        if in_parts:
+            growing += promotion_order(s for s in self.running if s.location == BlockLocation.CPU
+                                                 and not s.is_split)
+        for seq in growing:
+            count = placement.split_growth(seq, self.blocks, self.running, self._could_join(), in_parts)
             if count:
                 moves.append(self.blocks.grow_device_part(seq, count))
                 self.num_split_growths += 1
