@@ -79,14 +79,21 @@ def split_growth(seq: Sequence, blocks: BlockManager, running: Iterable[Sequence
                  waiting: Iterable[Sequence] = (), in_parts: bool = False) -> int:
     """How many leading host blocks of a split sequence move to the device now (0: none), by split_device_tokens'
     rule. Only computed, full host blocks move, so the host part stays aligned at its first token. With `in_parts`
-    a whole host row that the device pool could hold takes spare room the same way, as a split row: promoting it
-    later then moves only the rest (promotions)."""
+    a whole host row that the device pool could hold takes spare room the same way, once, as a split row: promoting
+    it later then moves only the rest (promotions)."""
     gpu, cpu = blocks.pool(GPU), blocks.pool(CPU)
-    whole_host_row = in_parts and seq.location == CPU and gpu.blocks_for(seq.budget) <= gpu.num_blocks
-    if not (seq.is_split or whole_host_row) or seq.in_flight or seq.in_prefill:
+    if seq.in_flight or seq.in_prefill or seq.location != CPU:
         return 0
+    in_parts = in_parts and gpu.blocks_for(seq.budget) <= gpu.num_blocks  # a row the device pool could hold
+    if seq.is_split == in_parts:
+        return 0  # a whole row without parts, or one whose part was taken: it is promoted once the rest fits
     spare = _spare_device_blocks(seq, blocks, running, waiting) * gpu.block_size // cpu.block_size
-    return max(0, min(spare, (seq.num_computed_tokens - seq.num_device_tokens) // cpu.block_size))
+    count = max(0, min(spare, (seq.num_computed_tokens - seq.num_device_tokens) // cpu.block_size))
+    if seq.is_split:
+        return count
+    # A whole row takes one part, at least half of its KV, and is promoted whole after: each growth copy takes the
+    # row out of the host lane until it lands, so parts in trickles would cost more host steps than they save.
+    return count if count * cpu.block_size * 2 >= seq.num_computed_tokens else 0
 
 
 def _spare_device_blocks(seq: Sequence, blocks: BlockManager, running: Iterable[Sequence],

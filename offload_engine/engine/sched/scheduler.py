@@ -18,6 +18,9 @@ from offload_engine.engine.sequence import PENDING_TOKEN, BlockLocation, Sequenc
 # Steps' worth of a demotion's freed blocks handed out at once (their part of the copy first), the rest once it has
 # landed. Why 3: docs/decisions/engine-step.md, "Demotion spare blocks".
 DEMOTION_SPARE_STEPS = 3
+# Promotion in parts: a host row takes a device part only when device rows this many tokens from their end free room
+# for the rest (~0.4 s at 8B's 6 ms step, enough for a 33k-token row's part to cross first). Not measured yet.
+PARTS_HORIZON_STEPS = 64
 
 
 class Scheduler:
@@ -193,9 +196,9 @@ class Scheduler:
                  for seq in promoted]
         self.num_promotions += len(moves)
         growing = [s for s in self.running if s.is_split]
-        if in_parts:
-            growing += promotion_order(s for s in self.running if s.location == BlockLocation.CPU
-                                                 and not s.is_split)
+        if in_parts:  # a part, only for the rows that room is about to free up for (promoted whole then)
+            soon = self._promoted_soon(PARTS_HORIZON_STEPS)
+            growing += promotion_order(s for s in self.running if s.seq_id in soon and not s.is_split)
         for seq in growing:
             count = placement.split_growth(seq, self.blocks, self.running, self._could_join(), in_parts)
             if count:
@@ -206,13 +209,16 @@ class Scheduler:
     def promotion_hold_back(self, horizon_steps: float) -> frozenset[int]:
         """Host-tier sequences to keep out of the next host step because device rows within `horizon_steps` tokens
         of their end free room for them before it would be back: they move up at once, not a host step later."""
-        if not self.kv_promotion:
-            return frozenset()
+        return self._promoted_soon(horizon_steps) if self.kv_promotion else frozenset()
+
+    def _promoted_soon(self, horizon_steps: float) -> frozenset[int]:
+        """Host-tier sequences that device rows within `horizon_steps` tokens of their end free room for."""
         freeing = sum(len(s.block_table) for s in self.running
                       if s.location == BlockLocation.GPU and not s.in_prefill and s.tokens_left <= horizon_steps)
         if not freeing:
             return frozenset()
-        return frozenset(s.seq_id for s in promotions(self.running, self.blocks, extra_room=freeing))
+        return frozenset(s.seq_id for s in promotions(self.running, self.blocks, extra_room=freeing,
+                                                       in_parts=self.promote_in_parts))
 
     def _demote_for_room(self) -> None:
         """Demotes rows in demotion_victims' order until this step's rows fit; the rest is left to preemption."""

@@ -49,11 +49,18 @@ def test_promotions_take_a_split_row_at_the_room_its_host_part_needs():
     assert list(placement.promotions(rows, blocks, in_parts=True)) == [split]  # 4 blocks of budget, 2 held
 
 
-def test_spare_room_goes_to_a_whole_host_row_only_in_parts():
+def test_spare_room_goes_to_a_whole_host_row_only_in_parts_once_and_at_least_half():
     blocks = BlockManager(num_gpu_blocks=6, block_size=16, num_cpu_blocks=8, cpu_block_size=16)
     seq = _host_row(blocks, 40, budget=60)
     assert placement.split_growth(seq, blocks, [seq]) == 0
     assert placement.split_growth(seq, blocks, [seq], in_parts=True) == 2  # its two full blocks; the third is not
+    taken = [blocks.pool(GPU).take_free() for _ in range(5)]  # one block spare: 16 of 40 tokens, under half
+    assert placement.split_growth(seq, blocks, [seq], in_parts=True) == 0
+    for block_id in taken:
+        blocks.pool(GPU).release(block_id)
+    blocks.grow_device_part(seq, 1)  # its part taken: a full host block and room are left, but it is not grown again
+    assert (seq.num_computed_tokens - seq.num_device_tokens) // 16 == 1 and blocks.pool(GPU).num_free >= 4
+    assert placement.split_growth(seq, blocks, [seq], in_parts=True) == 0
 
 
 @pytest.mark.parametrize("arch,cpu_block_size", [("qwen3", 16), ("llama", 32)])
