@@ -6,7 +6,7 @@
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
 #   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, skinny-step,
-#   long-context-8b-decode
+#   long-context-8b-decode, long-context-8b-parts
 # The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
@@ -141,6 +141,15 @@ case "${1:-check}" in
     # attempted). LC_FLAGS: e.g. --skip-cpu
     step long_context_8b 570 python3 -m benchmarks.bench_long_context --workload batch8b --peer-batches 4,2,1 \
       --out-dir "$OUT" ${LC_FLAGS:-}
+    ;;
+  long-context-8b-parts)  # issue 59: batch8b's decode with promotion in parts off, then on
+    # (OFFLOAD_ENGINE_PROMOTE_IN_PARTS; docs/decisions/placement.md, "Promotion in parts"); no cpu run, no peer (~6 min)
+    for parts in 0 1; do
+      export OFFLOAD_ENGINE_PROMOTE_IN_PARTS=$parts
+      step long_context_8b_parts_$parts 280 python3 -m benchmarks.bench_long_context --workload batch8b --skip-peer \
+        --skip-cpu --deadline-s 270 --out-dir "$OUT/parts_$parts"
+    done
+    unset OFFLOAD_ENGINE_PROMOTE_IN_PARTS
     ;;
   long-context-profile)  # where long contexts lose time (issue 59, items 3 and 4): batch8b's auto with and without
     # streaming (host steps split into kernel work, device waits and the rest), then the prefill's parts of c and
