@@ -7,7 +7,6 @@ from offload_engine import LLM, SamplingParams
 from offload_engine.engine.sched import placement
 from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sequence import BlockLocation, Sequence
-from offload_engine.sampling_params import SamplingParams as Params
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
 
@@ -15,7 +14,7 @@ GPU, CPU = BlockLocation.GPU, BlockLocation.CPU
 
 
 def _host_row(blocks: BlockManager, num_tokens: int, budget: int) -> Sequence:
-    seq = Sequence(list(range(num_tokens + 1)), Params(), budget=budget)
+    seq = Sequence(list(range(num_tokens + 1)), SamplingParams(), budget=budget)
     blocks.allocate(seq, CPU)
     seq.num_computed_tokens = num_tokens  # decoding: all but the newest token have KV
     return seq
