@@ -17,7 +17,7 @@ setup(
     name="offload-engine",
     version="0.1.0",
     description="LLM inference with a GPU KV tier and a pinned-host KV tier attended on the CPU",
-    packages=find_packages(include=["offload_engine*", "cpu_attention*", "kernels*"]),
+    packages=find_packages(include=["offload_engine*", "cpu_attention*", "gpu_kernels*"]),
     python_requires=">=3.10",
     # torch is not listed: the Makefile installs the right build (CPU-only where there is no NVIDIA GPU),
     # and a bare `torch` requirement would pull a multi-GB CUDA build onto CPU-only machines.

@@ -26,7 +26,7 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from benchmarks.check_gpu_kernels import capture  # noqa: E402
-from kernels import paged_decode_attention, paged_prefill_attention  # noqa: E402
+from gpu_kernels import paged_decode_attention, paged_prefill_attention  # noqa: E402
 
 NUM_KV_HEADS, NUM_Q_HEADS, HEAD_DIM, DTYPE = 8, 32, 128, torch.bfloat16
 DECODE_CASES = [(1, 4096), (1, 32768), (1, 131072), (16, 4096), (16, 32768), (64, 4096), (64, 32768),

@@ -1,4 +1,4 @@
-"""Decode's projections on the GPU: torch's GEMM against kernels/skinny_gemm.py, per shape and row count, against the
+"""Decode's projections on the GPU: torch's GEMM against gpu_kernels/skinny_gemm.py, per shape and row count, against the
 HBM copy rate measured in the same process.
 
     python -m benchmarks.bench_skinny_gemm [--out FILE] [--sweep]
@@ -19,7 +19,7 @@ import torch
 
 from benchmarks.bench_gpu_attention import copy_ceiling_gbps
 from benchmarks.graph_timing import us_per_call
-from kernels.skinny_gemm import launch_config, pays, skinny_linear
+from gpu_kernels.skinny_gemm import launch_config, pays, skinny_linear
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, MLP, VOCAB = 4096, 32, 8, 128, 12288, 151936  # qwen3-8b
 SHAPES = {  # name: (N, K); the whole model's first, each written to --out as it ends

@@ -55,7 +55,8 @@ def workload_a(profile: Profile, cache: str) -> dict:
     return {"model": profile.a_model, "num_seqs": profile.a_num_seqs, "range": profile.a_range, **result}
 
 
-def workload_b(profile: Profile, spec: BeyondVram, cache: str, read_gbps: float, peers: bool = True) -> dict:
+def workload_b(profile: Profile, spec: BeyondVram, cache: str, read_gbps: float, peers: bool = True,
+               cpu: bool = True) -> dict:
     path = model_dir(spec.model, cache)
     vocab = 10000 if profile.name == "full" else 400
     prompts = random_prompts([spec.prompt_len] * spec.num_seqs, vocab, seed=1)
@@ -69,7 +70,7 @@ def workload_b(profile: Profile, spec: BeyondVram, cache: str, read_gbps: float,
     # "cpu" does not depend on the device budget: it runs once. "gpu" and "auto" run at every budget.
     budgets = spec.budgets(total_blocks)
     plan = [(placement, budget) for budget in budgets for placement in ("gpu", "auto")]
-    plan += [("cpu", budgets[-1])] if spec.cpu else []
+    plan += [("cpu", budgets[-1])] if spec.cpu and cpu else []
     runs = []
     for placement, budget in plan:
         print(f"[{spec.name}] {spec.model}: {placement} at {budget} device blocks "
@@ -225,9 +226,11 @@ def workload_c(profile: Profile, cache: str, read_gbps: float) -> dict:
 
 
 def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None, b_models: str | None = None,
-              peers: bool = True, b_names: str | None = None) -> dict:
+              peers: bool = True, b_names: str | None = None, cpu: bool = True) -> dict:
     """Runs the chosen workloads. All of them write offload_<profile>.json and its PNG; a part (some workloads,
-    or some b specs: by model, by name) writes offload_<profile>_<part>.json, and `report.py` merges the parts."""
+    or some b specs: by model, by name) writes offload_<profile>_<part>.json, and `report.py` merges the parts.
+    peers=False skips transformers' runs in b, cpu=False the "cpu" placement there (the suite's guarantee, auto
+    against gpu, needs neither)."""
     from benchmarks.bench_cpu_attention import read_ceiling_gbps
     from benchmarks.report import plot
 
@@ -246,7 +249,7 @@ def run_suite(profile_name: str, workloads: str, cache: str, out_dir: str | None
         result["a"] = workload_a(profile, cache)
         print(f"[a] output {result['a']['output_tok_per_s']:.0f} tok/s")
     if "b" in workloads:
-        result["b"] = [workload_b(profile, spec, cache, read_gbps, peers) for spec in specs]
+        result["b"] = [workload_b(profile, spec, cache, read_gbps, peers, cpu) for spec in specs]
         for b in result["b"]:
             print(f"[{b['name']}] {b['spec']['model']} ratios: "
                   + ", ".join(f"{k} {v:.2f}" for k, v in b["ratios"].items()))
@@ -308,6 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--b-models", default=None, help="only these b models (comma-separated config names)")
     parser.add_argument("--b-names", default=None, help="only these b variants (comma-separated: b, dh)")
     parser.add_argument("--no-peers", action="store_true", help="skip transformers' generate in b")
+    parser.add_argument("--no-cpu", action="store_true", help="skip the cpu placement in b")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
     parser.add_argument("--out-dir", default=None)
     single = parser.add_argument_group("single run")
@@ -330,7 +334,7 @@ def main(argv: list[str] | None = None) -> None:
     constants = set_placement_constants(args.set_placement)
     if args.mode == "suite":
         run_suite(args.profile, args.workloads, args.model_cache, args.out_dir, args.b_models, not args.no_peers,
-                  args.b_names)
+                  args.b_names, not args.no_cpu)
         return
     path = model_dir(args.model, args.model_cache)
     prompt_lens, output_lens = mixed_lengths(args.num_seqs, args.prompt_len, args.output_len, args.spread)

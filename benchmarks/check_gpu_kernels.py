@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import merge_attn_states, paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
+from gpu_kernels import merge_attn_states, paged_decode_attention, paged_prefill_attention, store_kvcache  # noqa: E402
 
 NUM_KV_HEADS, HEAD_DIM = 8, 128
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}

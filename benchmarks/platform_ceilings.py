@@ -3,7 +3,7 @@
 - host_kernel_gbps: our CPU kernel (cpu_attention.paged_decode_attention) over a head-major paged pool larger than the
   LLC (blocks shuffled), run on a CpuAttentionExecutor with its default thread count, the engine's;
 - stream_gbps: the device streaming other blocks of the same pinned pool over PCIe into a staging buffer
-  (kernels.host_kv_stream.stream_host_blocks), on a CUDA stream of its own, through the pool's device alias
+  (gpu_kernels.host_kv_stream.stream_host_blocks), on a CUDA stream of its own, through the pool's device alias
   (HostKVPool.device_stacked, as the engine addresses it); pinned_copy_gbps: torch's pinned copy_ (the copy
   engine), for reference;
 - together: both for the same wall window, each one's rate while the other runs, their sum_gbps, and
@@ -94,7 +94,7 @@ def kernel_call(pool, shape: PoolShape):
 
 def stream_call(pool, shape: PoolShape, device: torch.device, stream: torch.cuda.Stream):
     """A call of the device's stream copy of the pool's second half (shuffled) into staging, synced."""
-    from kernels.host_kv_stream import stream_host_blocks
+    from gpu_kernels.host_kv_stream import stream_host_blocks
 
     mapped = pool.device_stacked()
     if mapped is None:

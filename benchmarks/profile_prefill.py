@@ -73,14 +73,14 @@ def linear_weights(model) -> int:
 def use_baseline_tiles() -> None:
     """The prefill kernel as it ran before its long tile and contiguous staging reads: _tile_config's tiles, every
     table read (before/after in one process; patched before an engine picks its backend)."""
-    import kernels
-    from kernels import paged_prefill
+    import gpu_kernels
+    from gpu_kernels import paged_prefill
 
     def baseline(q, k_cache, v_cache, *args, contiguous=False, config=None, **kwargs):
         config = paged_prefill._tile_config(q.device, q.dtype, k_cache.shape[-1])
         return paged_prefill.paged_prefill_attention(q, k_cache, v_cache, *args, config=config, **kwargs)
 
-    kernels.paged_prefill_attention = baseline
+    gpu_kernels.paged_prefill_attention = baseline
 
 
 def profile(workload: str, placement: str, cache: str) -> dict:

@@ -6,8 +6,9 @@
 #   placement-ab, long-context-c, long-context-c256, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
 #   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, skinny-step,
-#   long-context-8b-decode, long-context-8b-parts
-# The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b); then, here:
+#   long-context-8b-decode, long-context-8b-parts, suite-guarantee-small, suite-guarantee-8b
+# The offload suite runs in five calls (suite-ac, suite-b-small, suite-b-8b, suite-dh-small, suite-dh-8b), its
+# guarantee alone (auto against gpu) in two (suite-guarantee-small, suite-guarantee-8b); then, here:
 #   python -m benchmarks.report benchmarks/results/<device>
 set -u
 export PYTHONPATH="$PWD" PYTHONUNBUFFERED=1
@@ -60,6 +61,12 @@ case "${1:-check}" in
   suite-dh-small)  # decode-heavy 0.6B: gpu and auto at 1/4 and 1/8, cpu once, no peers (~5 min estimated)
     step suite_dh_small 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names dh \
       --b-models qwen3-0.6b --out-dir "$OUT"
+    ;;
+  suite-guarantee-small|suite-guarantee-8b)  # the suite's guarantee alone (auto against gpu at every b and dh point
+    # of one model size), no cpu placement, no peers: one call where the full parts take two
+    model=qwen3-0.6b; [ "$1" = suite-guarantee-8b ] && model=qwen3-8b
+    step "${1//-/_}" 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names b,dh \
+      --b-models $model --no-peers --no-cpu --out-dir "$OUT"
     ;;
   suite-dh-8b)  # decode-heavy 8B: gpu and auto at a 24 GiB card's KV room and at 1/8, no cpu, no peers (~4-5 min)
     step suite_dh_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names dh \
@@ -221,7 +228,7 @@ case "${1:-check}" in
       --batches 1,16,64 --contexts 2048 --unfused --unfused-kernels skinny_gemm --model-cache /tmp/models_skinny_step \
       --out-dir "$OUT/engine_step_skinny_06b"
     ;;
-  skinny-gemm)  # issue 59: decode's projections, torch's GEMM against kernels/skinny_gemm.py at the 8B's shapes
+  skinny-gemm)  # issue 59: decode's projections, torch's GEMM against gpu_kernels/skinny_gemm.py at the 8B's shapes
     # (whole and halved by TP=2), every tile setting at 1 and 16 rows
     step skinny_gemm 300 python3 -m benchmarks.bench_skinny_gemm --sweep --out "$OUT/skinny_gemm.json"
     ;;

@@ -15,7 +15,7 @@ import time
 import torch
 
 from benchmarks.bench_gpu_attention import HEAD_DIM, NUM_Q_HEADS, bench_ms, copy_ceiling_gbps, paged_kv
-from kernels.paged_decode import MAX_SPLITS, _tile_config, choose_num_splits, paged_decode_attention
+from gpu_kernels.paged_decode import MAX_SPLITS, _tile_config, choose_num_splits, paged_decode_attention
 
 SHAPES = {"1x32k": (1, 32768), "1x128k": (1, 131072), "8x32k": (8, 32768), "64x2k": (64, 2048)}
 CONFIGS = [(64, 4, 2), (64, 4, 3), (64, 8, 2), (32, 4, 2), (32, 4, 3), (32, 4, 4), (128, 8, 2), (128, 4, 2),

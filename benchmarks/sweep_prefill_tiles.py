@@ -14,7 +14,7 @@ import time
 import torch
 
 from benchmarks.profile_prefill import timed
-from kernels.paged_prefill import _tile_config, paged_prefill_attention
+from gpu_kernels.paged_prefill import _tile_config, paged_prefill_attention
 
 SHAPES = {"c_64k": (16, 8, 65536), "c_262k": (16, 8, 262144), "8b_32k": (32, 8, 32768)}
 CONFIGS = [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 8, 4), (128, 128, 8, 2), (128, 32, 8, 4), (128, 64, 4, 3),

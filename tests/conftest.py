@@ -6,7 +6,7 @@ and the Triton kernels get their inputs on it (fresh random data is still made o
 back to the CPU for the float64 references). The host KV tier and its numba kernels run on the CPU either way.
 
 On the CPU the Triton kernels run through Triton's interpreter. Triton reads TRITON_INTERPRET when a kernel
-is decorated, so it has to be set before anything imports `kernels`; on CUDA they must run natively.
+is decorated, so it has to be set before anything imports `gpu_kernels`; on CUDA they must run natively.
 """
 import gc
 import os

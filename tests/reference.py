@@ -1,6 +1,6 @@
 """Plain float64 references for the attention contracts, slow on purpose.
 
-Both kernel families (`cpu_attention`, head-major caches, and `kernels`, token-major caches) are checked
+Both kernel families (`cpu_attention`, head-major caches, and `gpu_kernels`, token-major caches) are checked
 against the same per-sequence reference: attention over one sequence's contiguous K/V, computed in float64.
 """
 import math

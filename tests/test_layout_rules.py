@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PACKAGES = ("offload_engine", "cpu_attention", "kernels")
+PACKAGES = ("offload_engine", "cpu_attention", "gpu_kernels")
 DATE = re.compile(r"20[0-9]{2}-[01][0-9]-[0-3][0-9]")
 
 
@@ -72,7 +72,7 @@ def test_engine_keeps_at_most_eight_modules_at_its_top():
     assert len(list((ROOT / "offload_engine/engine").glob("*.py"))) <= 8
 
 
-@pytest.mark.parametrize("package, limit", [("offload_engine", 10), ("cpu_attention", 25), ("kernels", 25)])
+@pytest.mark.parametrize("package, limit", [("offload_engine", 10), ("cpu_attention", 25), ("gpu_kernels", 25)])
 def test_module_docstrings_are_short_and_no_source_file_carries_a_date(package, limit):
     long_openings, dated = [], []
     for path in _sources(package):

@@ -57,7 +57,7 @@ class Attention(nn.Module):
         """The streamed share's host blocks of this layer, [2, S, Hkv, block, D] on the device (into `staging`, if
         given). Through the device's own reads where it addresses the pool, else gathered on the host."""
         if self.host_kv_mapped is not None:
-            from kernels.host_kv_stream import stream_host_blocks
+            from gpu_kernels.host_kv_stream import stream_host_blocks
 
             if staging is None:
                 staging = torch.empty((2, streamed.num_blocks, *self.host_kv_mapped.shape[2:]),
@@ -246,7 +246,7 @@ class Attention(nn.Module):
         those with host rows: without this, the first of them compiled its variant inside the step."""
         if not (self.k_cache.is_cuda and self.backend.prefill_takes_contiguous):
             return
-        from kernels.paged_prefill import launch_configs, paged_prefill_attention
+        from gpu_kernels.paged_prefill import launch_configs, paged_prefill_attention
 
         for config in launch_configs(self.k_cache.device, self.k_cache.dtype, self.k_cache.shape[-1]):
             for flag in contiguous:
@@ -260,7 +260,7 @@ class Attention(nn.Module):
         k, v, out, lse = self._prefill_once(block_size)
         self.backend.merge_attn_states(out, lse, out, lse)
         if self.k_cache_mapped is not None and k.is_cuda:
-            from kernels.host_block_copies import write_host_blocks_whole
+            from gpu_kernels.host_block_copies import write_host_blocks_whole
 
             device, dtype = k.device, k.dtype
             pools = [torch.empty(1, num_kv_heads, block_size, head_dim, device=device, dtype=dtype) for _ in range(2)]

@@ -1,6 +1,6 @@
 """The device tier's attention backends behind one interface (docs/design.md, "Kernel contracts"), on the token-major
-`[num_blocks, block_size, Hkv, D]` layout. "torch" runs anywhere; "triton" is our own kernels (CUDA, or CPU tensors
-under TRITON_INTERPRET=1); "flash-attn" is flash-attn 4 (any block size) or 2 (blocks of a multiple of 256).
+`[num_blocks, block_size, Hkv, D]` layout. "torch" runs anywhere; "triton" is our own kernels (gpu_kernels/: CUDA, or CPU
+tensors under TRITON_INTERPRET=1); "flash-attn" is flash-attn 4 (any block size) or 2 (blocks of a multiple of 256).
 
 A backend is a namespace of the kernel functions, and each operation names who serves it (`decode_name`,
 `prefill_name`). Two operations stay on Triton whatever serves the rest, where it runs: prefill steps replayed by
@@ -53,23 +53,23 @@ def select_backend(name: str, device: torch.device, block_size: int, dtype: torc
     if name == "auto":
         if device.type != "cuda":
             return _torch_backend()
-        import kernels
+        import gpu_kernels
 
         if (AUTO_CHOICE["prefill"] == "flash-attn" and dtype in FLASH_ATTN_DTYPES
                 and flash_attn_version(device) == 4 and flash_attn_4_head_dim(head_dim, device)):
             from offload_engine.layers.flash_attn_backend import FlashAttn4
 
-            return _by_key_span(kernels, FlashAttn4, AUTO_CHOICE["long_prefill_keys"])
-        return _backend(kernels, kernels, "triton", "triton", kernels)
+            return _by_key_span(gpu_kernels, FlashAttn4, AUTO_CHOICE["long_prefill_keys"])
+        return _backend(gpu_kernels, gpu_kernels, "triton", "triton", gpu_kernels)
     if name == "torch":
         return _torch_backend()
     if name == "triton":
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("attention_backend='triton' needs device='cuda' (on the CPU it runs only under "
                              "TRITON_INTERPRET=1, which is how the tests check it)")
-        import kernels
+        import gpu_kernels
 
-        return _backend(kernels, kernels, "triton", "triton", kernels)
+        return _backend(gpu_kernels, gpu_kernels, "triton", "triton", gpu_kernels)
     if name == "flash-attn":
         if dtype not in FLASH_ATTN_DTYPES:
             raise ValueError(f"attention_backend='flash-attn' runs float16 and bfloat16, not {dtype}: use "
@@ -90,27 +90,27 @@ def _flash_attn(device: torch.device, block_size: int, head_dim: int) -> SimpleN
     if version == 2 and block_size % FLASH_ATTN_2_BLOCK_MULTIPLE:
         raise ValueError(f"flash-attn 2 needs block_size to be a multiple of {FLASH_ATTN_2_BLOCK_MULTIPLE}, got "
                          f"{block_size}: set block_size=256, install flash-attn 4, or use attention_backend='triton'")
-    import kernels
+    import gpu_kernels
     from offload_engine.layers.flash_attn_backend import implementation
 
     chosen = implementation(version)
-    backend = _backend(chosen, chosen, "flash-attn", "flash-attn", kernels)
+    backend = _backend(chosen, chosen, "flash-attn", "flash-attn", gpu_kernels)
     backend.flash_attn_prefill = chosen.paged_prefill_attention
     return backend
 
 
-def _by_key_span(kernels, flash_attn, long_keys: int) -> SimpleNamespace:
+def _by_key_span(triton, flash_attn, long_keys: int) -> SimpleNamespace:
     """Decode on Triton; eager prefill on flash-attn where a step's keys may reach long_keys (its table's width x
     block size: known on the host, no sync), on Triton below. Triton's identity-table hint (`contiguous`) goes to
     Triton only."""
-    short, long = kernels.paged_prefill_attention, flash_attn.paged_prefill_attention
+    short, long = triton.paged_prefill_attention, flash_attn.paged_prefill_attention
 
     def paged_prefill_attention(q, k_cache, v_cache, block_tables, *args, contiguous: bool = False):
         if block_tables.shape[1] * k_cache.shape[1] >= long_keys:
             return long(q, k_cache, v_cache, block_tables, *args)
         return short(q, k_cache, v_cache, block_tables, *args, contiguous=contiguous)
 
-    backend = _backend(kernels, kernels, "triton", f"flash-attn from {long_keys} keys, triton below", kernels)
+    backend = _backend(triton, triton, "triton", f"flash-attn from {long_keys} keys, triton below", triton)
     backend.paged_prefill_attention, backend.flash_attn_prefill = paged_prefill_attention, long
     return backend
 
@@ -122,7 +122,7 @@ def _torch_backend() -> SimpleNamespace:
 
 
 def _backend(decode, prefill, decode_name: str, prefill_name: str, ours) -> SimpleNamespace:
-    """`ours`: kernels (Triton) or torch_attention: the K/V store, the merge, tiled prefill and strided decode."""
+    """`ours`: gpu_kernels (Triton) or torch_attention: the K/V store, the merge, tiled prefill and strided decode."""
     return SimpleNamespace(
         name=decode_name if decode_name == prefill_name else f"{decode_name}+{prefill_name}",
         decode_name=decode_name, prefill_name=prefill_name,
@@ -133,5 +133,5 @@ def _backend(decode, prefill, decode_name: str, prefill_name: str, ours) -> Simp
         strided_decode_attention=ours.paged_decode_attention,
         # flash-attn's prefill where it may serve eager prefill steps (compiled at start-up; zeroed caches), or None
         flash_attn_prefill=None,
-        prefill_takes_contiguous=prefill is ours and ours.__name__ == "kernels",
+        prefill_takes_contiguous=prefill is ours and ours.__name__ == "gpu_kernels",
     )

@@ -57,7 +57,7 @@ class AttentionMetadata:
     cu_seqlens_q: torch.Tensor | None = None
     max_seqlen_q: int = 0
     staging: PrefixStaging | None = None
-    # Prefill graphs: query tiles fixing the kernel's grid (kernels.paged_prefill.prefill_tiles); None: max_seqlen_q.
+    # Prefill graphs: query tiles fixing the kernel's grid (gpu_kernels.paged_prefill.prefill_tiles); None: max_seqlen_q.
     prefill_tiles: torch.Tensor | None = None
     # Host-pool writes still running on the executor (ModelRunner.check_host_writes).
     pending_host_writes: list[Future] = field(default_factory=list)

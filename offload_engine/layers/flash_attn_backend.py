@@ -15,8 +15,8 @@ import math
 
 import torch
 
-import kernels
-from kernels import merge_attn_states, store_kvcache  # noqa: F401  (part of the backend interface)
+import gpu_kernels
+from gpu_kernels import merge_attn_states, store_kvcache  # noqa: F401  (part of the backend interface)
 
 FA2_PAGE_MULTIPLE = 256
 
@@ -96,7 +96,7 @@ class FlashAttn2:
     @staticmethod
     def paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale):
         if k_cache.shape[1] % FA2_PAGE_MULTIPLE:
-            return kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
+            return gpu_kernels.paged_decode_attention(q, k_cache, v_cache, block_tables, context_lens, scale)
         from flash_attn import flash_attn_with_kvcache
 
         out, lse = flash_attn_with_kvcache(
@@ -107,7 +107,7 @@ class FlashAttn2:
     @staticmethod
     def paged_prefill_attention(q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q):
         if k_cache.shape[1] % FA2_PAGE_MULTIPLE:
-            return kernels.paged_prefill_attention(
+            return gpu_kernels.paged_prefill_attention(
                 q, k_cache, v_cache, block_tables, cu_seqlens_q, context_lens, scale, max_seqlen_q)
         from flash_attn import flash_attn_varlen_func
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.host_block_copies import write_host_blocks_whole
+from gpu_kernels.host_block_copies import write_host_blocks_whole
 
 
 @dataclass

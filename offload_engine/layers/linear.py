@@ -4,7 +4,7 @@ whole checkpoint tensor, or of a lazy slice that reads only what is narrowed (lo
 import torch
 from torch import nn
 
-from kernels import skinny_gemm
+from gpu_kernels import skinny_gemm
 from offload_engine.distributed.parallel_state import Partition, all_reduce
 from offload_engine.layers.fused import use_fused
 
@@ -14,7 +14,7 @@ SKINNY_ROWS = skinny_gemm.MAX_ROWS  # decode steps of at most this many rows may
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias): torch's GEMM, or, for a decode step's few rows and a weight of the shapes it reads
-    faster (kernels.skinny_gemm.pays), the kernel that streams the weight once (layers/fused.py, "skinny_gemm")."""
+    faster (gpu_kernels.skinny_gemm.pays), the kernel that streams the weight once (layers/fused.py, "skinny_gemm")."""
     if (x.dim() == 2 and x.shape[0] <= SKINNY_ROWS and x.stride(-1) == 1 and use_fused(x, "skinny_gemm")
             and skinny_gemm.pays(*weight.shape, x.device)):
         return skinny_gemm.skinny_linear(x, weight, bias)

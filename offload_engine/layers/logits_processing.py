@@ -2,7 +2,7 @@
 frequency and presence penalties and min_tokens' bans on the model's logits; then (sampler.py) temperature; then min_p
 on the scaled logits; then top-k / top-p. And each chosen token's log-probability with the top-k (`logprobs`).
 
-Only a step with such a row builds any of this: the others sample as before, in one pass (kernels/sample.py).
+Only a step with such a row builds any of this: the others sample as before, in one pass (gpu_kernels/sample.py).
 """
 from dataclasses import dataclass
 

@@ -13,7 +13,7 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Normalizes x, or (x + residual) when a residual is given, returning the new residual too."""
         if use_fused(x, "rms_norm") and x.dim() == 2:
-            from kernels import rms_norm
+            from gpu_kernels import rms_norm
 
             return rms_norm(x, self.weight, self.eps, residual)  # one launch instead of nine
         if residual is not None:

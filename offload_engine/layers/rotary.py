@@ -32,9 +32,9 @@ class RotaryEmbedding(nn.Module):
     def norm_and_rotate(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, q_norm=None, k_norm=None,
                         store=None):
         """q and k normalized per head (Qwen3's q_norm, k_norm; or None) and rotated, one kernel each on CUDA. store:
-        a kernels.KVStore the k kernel also writes k and v into (where layers.fused.stores_kv_ahead says so)."""
+        a gpu_kernels.KVStore the k kernel also writes k and v into (where layers.fused.stores_kv_ahead says so)."""
         if use_fused(q, "norm_rope"):
-            from kernels import norm_rope
+            from gpu_kernels import norm_rope
 
             fused = lambda x, norm, store=None: norm_rope(x, positions, self.cos, self.sin,
                                                           None if norm is None else norm.weight,

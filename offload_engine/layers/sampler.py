@@ -1,4 +1,4 @@
-"""Token sampling: greedy, temperature, top-k and top-p, in one pass over the logits (kernels/sample.py); the rarer
+"""Token sampling: greedy, temperature, top-k and top-p, in one pass over the logits (gpu_kernels/sample.py); the rarer
 settings (penalties, min_tokens, min_p) change the logits first where a row has them (logits_processing.py). A row at
 temperature t takes argmax(x / t + G), G Gumbel noise from Philox under the row's 64-bit key: an exact draw from
 softmax(x / t). A seeded request's key comes from its seed and its token's position, so its tokens depend on neither
@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kernels.sample import sample_tokens
+from gpu_kernels.sample import sample_tokens
 from offload_engine.layers.logits_processing import LogitsProcessing, apply_min_p, penalize
 from offload_engine.layers.philox import philox_uniform
 
@@ -53,7 +53,7 @@ def sample(logits: torch.Tensor, batch: SamplingBatch, out: torch.Tensor | None 
 
 
 def _sample_with_torch(logits: torch.Tensor, temperatures: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
-    """What kernels/sample.py computes, for CPU tensors."""
+    """What gpu_kernels/sample.py computes, for CPU tensors."""
     scores = logits.float()
     rows = (temperatures > 0).nonzero().squeeze(1)
     if rows.numel():

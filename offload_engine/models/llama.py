@@ -41,7 +41,7 @@ class LlamaSelfAttention(nn.Module):
         v = v.view(-1, self.num_kv_heads, self.head_dim)
         store = None
         if kv_slots is not None:
-            from kernels import KVStore
+            from gpu_kernels import KVStore
 
             store = KVStore(v, self.attn.k_cache, self.attn.v_cache, kv_slots)
         q, k = self.rotary.norm_and_rotate(positions, q, k, self.q_norm, self.k_norm, store)

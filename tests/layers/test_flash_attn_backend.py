@@ -113,16 +113,16 @@ def test_no_rows_at_all():
 
 
 def test_auto_decodes_on_triton_and_prefills_long_steps_on_flash_attn(monkeypatch):
-    import kernels
+    import gpu_kernels
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(attention_backends, "flash_attn_version", lambda device: 4)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     served = []
-    monkeypatch.setattr(kernels, "paged_prefill_attention", lambda *a, **kw: served.append(("triton", kw)))
+    monkeypatch.setattr(gpu_kernels, "paged_prefill_attention", lambda *a, **kw: served.append(("triton", kw)))
     monkeypatch.setattr(FlashAttn4, "paged_prefill_attention", staticmethod(lambda *a: served.append(("fa4", {}))))
     backend = attention_backends.select_backend("auto", cuda, 16, torch.bfloat16)
-    assert (backend.decode_name, backend.paged_decode_attention) == ("triton", kernels.paged_decode_attention)
+    assert (backend.decode_name, backend.paged_decode_attention) == ("triton", gpu_kernels.paged_decode_attention)
     assert backend.flash_attn_prefill is FlashAttn4.paged_prefill_attention and backend.prefill_takes_contiguous
     # A step's key span is its table's width x the block size, known on the host.
     long_keys, cache = attention_backends.AUTO_CHOICE["long_prefill_keys"], torch.zeros(1, 16, 1, 8)
@@ -131,8 +131,8 @@ def test_auto_decodes_on_triton_and_prefills_long_steps_on_flash_attn(monkeypatc
                                         contiguous=True)
     assert served == [("triton", {"contiguous": True}), ("fa4", {})]
     # Prefill graphs' tile maps and the streamed share's strided views stay on Triton.
-    assert backend.tiled_prefill_attention is kernels.paged_prefill_attention
-    assert backend.strided_decode_attention is kernels.paged_decode_attention
+    assert backend.tiled_prefill_attention is gpu_kernels.paged_prefill_attention
+    assert backend.strided_decode_attention is gpu_kernels.paged_decode_attention
     # flash-attn runs float16 and bfloat16 only; without it, or off CUDA, auto is Triton, or torch.
     assert attention_backends.select_backend("auto", cuda, 16, torch.float32).name == "triton"
     monkeypatch.setattr(attention_backends, "flash_attn_version", lambda device: None)
@@ -154,7 +154,7 @@ def test_a_forced_flash_attn_that_cannot_run_says_what_to_do(monkeypatch):
 
 
 def test_head_sizes_flash_attn_4_cannot_run_stay_on_triton(monkeypatch):
-    import kernels
+    import gpu_kernels
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(attention_backends, "flash_attn_version", lambda device: 4)
@@ -162,7 +162,7 @@ def test_head_sizes_flash_attn_4_cannot_run_stay_on_triton(monkeypatch):
     assert attention_backends.select_backend("auto", cuda, 16, torch.bfloat16, 128).flash_attn_prefill is not None
     for head_dim in (4, 12, 320):  # below 8, not a multiple of 8, past 256
         auto = attention_backends.select_backend("auto", cuda, 16, torch.bfloat16, head_dim)
-        assert auto.flash_attn_prefill is None and auto.paged_prefill_attention is kernels.paged_prefill_attention
+        assert auto.flash_attn_prefill is None and auto.paged_prefill_attention is gpu_kernels.paged_prefill_attention
         with pytest.raises(ValueError, match=f"heads of {head_dim}.*attention_backend='triton'"):
             attention_backends.select_backend("flash-attn", cuda, 16, torch.bfloat16, head_dim)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (10, 0))

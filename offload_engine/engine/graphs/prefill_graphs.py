@@ -38,7 +38,7 @@ class PrefillGraphs:
         paying_tokens: the largest bucket worth a graph, as the memory profile measured it (None: measured here).
         agree(flag): true where every rank's flag is (tensor parallelism): the timing loops below run forwards, whose
         collectives pair only if every rank leaves each loop at the same turn."""
-        from kernels.paged_prefill import query_tile_rows
+        from gpu_kernels.paged_prefill import query_tile_rows
 
         self.model, self.device, self.agree = model, device, agree or (lambda flag: flag)
         self.buckets = token_buckets(max_tokens)
@@ -152,7 +152,7 @@ class PrefillGraphs:
         self.cu_seqlens[:rows + 1].copy_(meta.cu_seqlens_q)
         self.context_lens[:rows].copy_(meta.context_lens)
         self.block_tables[:rows, :meta.block_tables.shape[1]].copy_(meta.block_tables)
-        from kernels.paged_prefill import prefill_tiles
+        from gpu_kernels.paged_prefill import prefill_tiles
 
         capacity = self.tile_capacity[size]
         self.tiles[:capacity].copy_(to_device(prefill_tiles(np.asarray(query_lens), self.tile_rows, capacity),

@@ -5,7 +5,7 @@ waits for copy l. Stamps of the device's clock around each copy time the link as
 """
 import torch
 
-from kernels.host_kv_stream import stamp, stream_host_blocks
+from gpu_kernels.host_kv_stream import stamp, stream_host_blocks
 
 
 class StreamStaging:

@@ -8,7 +8,7 @@ import time
 
 import torch
 
-from kernels.host_block_copies import compile_host_block_copies
+from gpu_kernels.host_block_copies import compile_host_block_copies
 from offload_engine.config import EngineConfig, ModelConfig
 from offload_engine.distributed import parallel_state
 from offload_engine.distributed.parallel_state import Partition

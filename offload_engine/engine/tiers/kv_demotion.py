@@ -4,7 +4,7 @@ import numpy as np
 import torch
 
 from cpu_attention.gather import scatter_blocks
-from kernels.host_block_copies import scatter_host_blocks
+from gpu_kernels.host_block_copies import scatter_host_blocks
 from offload_engine.engine.sequence import Sequence
 from offload_engine.engine.tiers.move_staging import GROUP_BYTES, MoveStaging, split_moves
 from offload_engine.engine.tiers.slots import host_copy_plan, slots_for

@@ -11,7 +11,7 @@ def slots_for(block_table: list[int], block_size: int, start: int, end: int, fir
 
 def host_copy_plan(moves: list[tuple[int, list[int], list[int]]], host_block_size: int,
                    device_block_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """For moves of (tokens, host blocks, device blocks), promotions or demotions, what kernels.host_block_copies
+    """For moves of (tokens, host blocks, device blocks), promotions or demotions, what gpu_kernels.host_block_copies
     takes: the host blocks in order, each token's row among them, and its device slot."""
     blocks, rows, slots = [], [], []
     for num_tokens, host_blocks, device_blocks in moves:

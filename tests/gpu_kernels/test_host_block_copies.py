@@ -3,8 +3,8 @@ scatter_host_blocks each token of a demotion the other way, in every layer, K an
 import pytest
 import torch
 
-from kernels import host_block_copies
-from kernels.host_block_copies import compile_host_block_copies, gather_host_blocks, scatter_host_blocks
+from gpu_kernels import host_block_copies
+from gpu_kernels.host_block_copies import compile_host_block_copies, gather_host_blocks, scatter_host_blocks
 from tests.reference import on_test_device
 
 

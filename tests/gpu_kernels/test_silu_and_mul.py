@@ -3,7 +3,7 @@ unfused module it replaces on CUDA."""
 import pytest
 import torch
 
-from kernels import silu_and_mul
+from gpu_kernels import silu_and_mul
 from offload_engine.layers import fused
 from offload_engine.layers.activation import SiluAndMul
 from tests.conftest import TEST_DEVICE

@@ -4,7 +4,7 @@ import math
 import pytest
 import torch
 
-from kernels import merge_attn_states as merge_on_device
+from gpu_kernels import merge_attn_states as merge_on_device
 from tests.reference import attention_reference, on_test_device, relative_error
 
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-2}

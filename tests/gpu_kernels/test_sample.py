@@ -3,7 +3,7 @@ uniforms themselves against a plain-integer Philox 4x32-10."""
 import pytest
 import torch
 
-from kernels.sample import sample_tokens
+from gpu_kernels.sample import sample_tokens
 from offload_engine.layers.philox import philox_uniform
 from tests.conftest import TEST_DEVICE, requires_cuda
 

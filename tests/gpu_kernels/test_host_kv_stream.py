@@ -3,8 +3,8 @@ and writes nothing else; stamp writes the device's nanosecond timer into one clo
 import pytest
 import torch
 
-from kernels import host_kv_stream
-from kernels.host_kv_stream import compile_host_kv_stream, stamp, stream_host_blocks
+from gpu_kernels import host_kv_stream
+from gpu_kernels.host_kv_stream import compile_host_kv_stream, stamp, stream_host_blocks
 from tests.conftest import requires_cuda
 from tests.reference import on_test_device
 

@@ -5,7 +5,7 @@ import os
 import pytest
 import torch
 
-from kernels import norm_rope, rms_norm
+from gpu_kernels import norm_rope, rms_norm
 from offload_engine.layers.norm import RMSNorm
 from offload_engine.layers.rotary import RotaryEmbedding
 from tests.conftest import TEST_DEVICE
@@ -104,7 +104,7 @@ def test_norm_rope_with_a_store_writes_exactly_what_store_kvcache_writes(dtype, 
     """k rotated into its slot and v beside it, at block boundaries and across blocks; slot -1 writes nothing, and
     every other slot of both caches keeps its old (random) contents. Bit for bit what norm_rope without a store
     (checked against float64 above) and then store_kvcache give."""
-    from kernels import KVStore
+    from gpu_kernels import KVStore
 
     gen = torch.Generator().manual_seed(heads * dim + block_size)
     tokens, num_blocks = 7, 5

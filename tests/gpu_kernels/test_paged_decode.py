@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from kernels import paged_decode_attention
-from kernels.paged_decode import _tile_config, choose_num_splits
+from gpu_kernels import paged_decode_attention
+from gpu_kernels.paged_decode import _tile_config, choose_num_splits
 from tests.conftest import TEST_DEVICE
 from tests.reference import on_test_device, paged_decode_reference, random_paged_kv, relative_error
 
@@ -126,7 +126,7 @@ def test_the_split_count_keeps_a_launch_within_its_programs_per_sm():
     rounding up would give (a tail of programs past one launch's worth); 64 rows 2; 512 rows 1."""
     from unittest import mock
 
-    from kernels import paged_decode
+    from gpu_kernels import paged_decode
 
     with mock.patch.object(paged_decode, "sm_count", lambda device: 132):
         splits = [choose_num_splits(batch, 8, 2048, 16, 64, torch.device("cuda")) for batch in (1, 8, 64, 512)]

@@ -4,8 +4,8 @@ rule the layers take it by; on CUDA, the linear layers take it where it pays and
 import pytest
 import torch
 
-from kernels import skinny_linear
-from kernels.skinny_gemm import MAX_ROWS, launch_config
+from gpu_kernels import skinny_linear
+from gpu_kernels.skinny_gemm import MAX_ROWS, launch_config
 from tests.conftest import TEST_DEVICE
 
 # One rounding of the dtype (the interpreter truncates bf16 instead of rounding: up to one ulp more) on top of
@@ -53,7 +53,7 @@ def test_the_shape_rule_takes_split_k_shapes_and_lm_heads_and_leaves_wide_projec
     not."""
     from unittest import mock
 
-    from kernels import skinny_gemm
+    from gpu_kernels import skinny_gemm
 
     gpu = torch.device("cuda")
     with mock.patch.object(skinny_gemm, "interpreted", lambda device: False), \
@@ -86,7 +86,7 @@ def test_strided_rows_no_rows_and_bad_shapes():
 def test_the_linear_layers_take_it_where_it_pays_and_match_torch(rows, monkeypatch):
     from offload_engine.layers import fused, linear
     from offload_engine.layers.linear import Linear
-    from kernels import skinny_gemm
+    from gpu_kernels import skinny_gemm
 
     layer = Linear(8192, 4224, bias=True).to(device="cuda", dtype=torch.bfloat16)  # n <= k, 132 column blocks
     torch.nn.init.normal_(layer.weight, std=8192 ** -0.5)
@@ -109,7 +109,7 @@ def test_the_linear_layers_take_it_where_it_pays_and_match_torch(rows, monkeypat
 def test_the_engine_with_every_decode_projection_on_it_gives_transformers_greedy_tokens(monkeypatch, qwen3_dir):
     """Forced on (off CUDA the layers would not take it, and a tiny model's shapes would not pay on a GPU): decode
     steps of a few rows, prefills of more, in float32 (wide K tiles)."""
-    from kernels import skinny_gemm
+    from gpu_kernels import skinny_gemm
     from offload_engine import LLM, SamplingParams
     from offload_engine.layers import linear
     from tests.oracle import hf_greedy, random_prompts

@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from kernels import store_kvcache
+from gpu_kernels import store_kvcache
 from tests.conftest import TEST_DEVICE
 from tests.reference import on_test_device
 

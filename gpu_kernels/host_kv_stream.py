@@ -12,7 +12,7 @@ Contract: blocks int64 [capacity] and count int32/int64 [1] live on the device a
 and the grid comes from shapes and `programs` only, so a CUDA graph captures a launch and replays it with new
 blocks and count. The loop runs over count[0] blocks, not the capacity: thousands of staging places with few used
 would cost milliseconds a layer. Every read crosses PCIe and waits microseconds, so the copy runs on few programs,
-each with a few KB in flight per load (as kernels/host_block_copies.py; docs/decisions/device-kernels.md,
+each with a few KB in flight per load (as gpu_kernels/host_block_copies.py; docs/decisions/device-kernels.md,
 "Host-block copies on few programs"). Offsets are int64: a host pool exceeds 2**31 elements.
 """
 import torch

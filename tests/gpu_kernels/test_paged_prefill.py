@@ -2,8 +2,8 @@
 import pytest
 import torch
 
-from kernels import paged_prefill_attention
-from kernels.paged_prefill import prefill_tiles, query_tile_rows
+from gpu_kernels import paged_prefill_attention
+from gpu_kernels.paged_prefill import prefill_tiles, query_tile_rows
 from tests.conftest import TEST_DEVICE
 from tests.reference import attention_reference, on_test_device, random_paged_kv, relative_error
 
@@ -75,13 +75,13 @@ def test_a_staging_cache_read_without_its_identity_table(dtype):
 @pytest.mark.parametrize("contiguous", (False, True))
 def test_the_long_tile_on_long_chunks(contiguous):
     # 256 queries a program, a chunk of several of them after a prefix, GQA, a last tile cut short.
-    from kernels.paged_prefill import LONG_TILE
+    from gpu_kernels.paged_prefill import LONG_TILE
 
     check_prefill([1900], [1100], 8, 2, 128, 16, torch.bfloat16, seed=9, contiguous=contiguous, config=LONG_TILE)
 
 
 def test_the_long_tile_is_chosen_only_where_it_fills_the_gpu(monkeypatch):
-    from kernels import paged_prefill as pp
+    from gpu_kernels import paged_prefill as pp
 
     monkeypatch.setattr(pp, "_gpu", lambda device: (132, 227 * 1024))
     cuda, bf16 = torch.device("cuda", 0), torch.bfloat16
