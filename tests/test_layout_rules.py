@@ -25,6 +25,17 @@ def _imported_modules(path: Path) -> list[str]:
     return modules
 
 
+def test_no_package_of_ours_takes_an_installed_distributions_import_name():
+    """Two packages of one import name shadow each other: transformers 5.25 installs Hugging Face's `kernels`, and our
+    device kernels, once named so, broke every model build."""
+    from importlib.metadata import packages_distributions
+
+    owners = packages_distributions()
+    taken = {name: owners[name] for name in PACKAGES
+             if set(owners.get(name, ())) - {"offload-engine", "offload_engine"}}
+    assert not taken
+
+
 def test_layers_import_nothing_from_engine():
     upward = [(p.name, m) for p in _sources("offload_engine/layers") for m in _imported_modules(p)
               if m.startswith("offload_engine.engine")]
