@@ -149,14 +149,10 @@ case "${1:-check}" in
     step long_context_8b 570 python3 -m benchmarks.bench_long_context --workload batch8b --peer-batches 4,2,1 \
       --out-dir "$OUT" ${LC_FLAGS:-}
     ;;
-  long-context-8b-parts)  # issue 59: batch8b's decode with promotion in parts off, then on
-    # (OFFLOAD_ENGINE_PROMOTE_IN_PARTS; docs/decisions/placement.md, "Promotion in parts"); no cpu run, no peer (~6 min)
-    for parts in 0 1; do
-      export OFFLOAD_ENGINE_PROMOTE_IN_PARTS=$parts
-      step long_context_8b_parts_$parts 280 python3 -m benchmarks.bench_long_context --workload batch8b --skip-peer \
-        --skip-cpu --deadline-s 270 --out-dir "$OUT/parts_$parts"
-    done
-    unset OFFLOAD_ENGINE_PROMOTE_IN_PARTS
+  long-context-8b-parts)  # issue 59: batch8b with promotion in parts off and on, in turns, two rounds, in one process
+    # (OFFLOAD_ENGINE_PROMOTE_IN_PARTS; docs/decisions/placement.md, "Promotion in parts"); streaming on (~4-5 min)
+    step long_context_8b_parts 420 python3 -m benchmarks.ab_long_context --workload batch8b --rounds 2 \
+      --env OFFLOAD_ENGINE_PROMOTE_IN_PARTS --values 0,1 --deadline-s 400 --out "$OUT/ab_promote_in_parts.json"
     ;;
   long-context-profile)  # where long contexts lose time (issue 59, items 3 and 4): batch8b's auto with and without
     # streaming (host steps split into kernel work, device waits and the rest), then the prefill's parts of c and

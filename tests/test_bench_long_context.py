@@ -187,3 +187,23 @@ def test_the_peer_sets_its_prefill_apart_from_its_decode():
     assert 0 < found["prefill_seconds"] < found["seconds"]
     # Tokens after each batch's first, over the time after it.
     assert found["decode_tok_per_s"] == pytest.approx((18 - 3) / (found["seconds"] - found["prefill_seconds"]))
+
+
+def test_an_ab_run_takes_the_values_in_turn_and_restores_the_switch(tmp_path, monkeypatch):
+    from benchmarks import ab_long_context as ab
+
+    monkeypatch.setenv("BENCH_TQDM", "0")
+    monkeypatch.delenv("OFFLOAD_ENGINE_PROMOTE_IN_PARTS", raising=False)
+    seen, real = [], ab.engine_run
+    monkeypatch.setattr(ab, "engine_run", lambda *a: seen.append(ab.os.environ["OFFLOAD_ENGINE_PROMOTE_IN_PARTS"])
+                        or real(*a))
+    out = tmp_path / "ab.json"
+    ab.main(["--workload", "tiny", "--env", "OFFLOAD_ENGINE_PROMOTE_IN_PARTS", "--values", "0,1", "--rounds", "1",
+             "--out", str(out)])
+    result = json.loads(out.read_text())
+    assert seen == ["0", "1"] and [r["value"] for r in result["runs"]] == seen
+    assert all(r["decode_tok_per_s"] > 0 and r["error"] is None for r in result["runs"])
+    assert {v: m["runs"] for v, m in result["medians"].items()} == {"0": 1, "1": 1}
+    assert result["last_over_first"] > 0 and "OFFLOAD_ENGINE_PROMOTE_IN_PARTS" not in ab.os.environ
+    with pytest.raises(ValueError, match="--values"):
+        ab.main(["--env", "X", "--values", "1", "--out", str(out)])
