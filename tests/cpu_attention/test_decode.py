@@ -254,29 +254,47 @@ for group, head_dim, block_size, lens in ((4, 128, 64, [200, 64, 1, 0]), (2, 64,
 """
 
 
-@pytest.mark.parametrize("dot,words", [("0", "1"), ("0", "0"), ("1", "1")], ids=["words", "widening", "bf16_dot"])
-def test_bfloat16_paths_match(dot, words, shared_numba_cache):
-    """Every path for bfloat16 caches on any CPU that can run it: word tiles (the default), value-by-value widening
-    (OFFLOAD_ENGINE_WORD_TILES=0) and vdpbf16ps (OFFLOAD_ENGINE_BF16_DOT=1, AVX-512 BF16 only). Each in a process of
-    its own, all three on one numba cache: each must compile and keep its kernels under its own switches' tag."""
-    from cpu_attention.kernel_switches import host_has_bf16_dot
-
-    if dot == "1" and not host_has_bf16_dot():
-        pytest.skip("this CPU has no AVX-512 BF16")
-    env = dict(os.environ, OFFLOAD_ENGINE_BF16_DOT=dot, OFFLOAD_ENGINE_WORD_TILES=words,
-               NUMBA_CACHE_DIR=str(shared_numba_cache))
-    done = subprocess.run([sys.executable, "-c", _PATH_CHECK, dot, words], env=env, capture_output=True, text=True,
-                          cwd=Path(__file__).resolve().parents[2], timeout=600)
-    assert done.returncode == 0, done.stderr
-    lines = done.stdout.strip().splitlines()
-    assert len(lines) == 3, done.stdout
-    for line in lines:
-        error, lse_error = map(float, line.split())
-        assert error < TOLERANCE[torch.bfloat16] and lse_error < LSE_ATOL[torch.bfloat16]
-    tag = f"words{words}-bf16dot{dot}"
-    assert list(shared_numba_cache.rglob(f"{tag}/decode_kernel.decode_kernel-*.nbi")), "compiled under its tag"
+# Every path for bfloat16 caches, by its switches (OFFLOAD_ENGINE_BF16_DOT, OFFLOAD_ENGINE_WORD_TILES).
+BFLOAT16_PATHS = {"words": ("0", "1"), "widening": ("0", "0"), "bf16_dot": ("1", "1")}
 
 
 @pytest.fixture(scope="module")
-def shared_numba_cache(tmp_path_factory):
-    return tmp_path_factory.mktemp("numba_cache")
+def bfloat16_path_checks(tmp_path_factory):
+    """Each path's check in a process of its own, all started at once on one numba cache (each compiles its kernels
+    first: ~20 s apiece on a 2-core CI machine, which run side by side). Yields the cache and the processes by path."""
+    from cpu_attention.kernel_switches import host_has_bf16_dot
+
+    cache, checks = tmp_path_factory.mktemp("numba_cache"), {}
+    for path, (dot, words) in BFLOAT16_PATHS.items():
+        if dot == "1" and not host_has_bf16_dot():
+            continue
+        env = dict(os.environ, OFFLOAD_ENGINE_BF16_DOT=dot, OFFLOAD_ENGINE_WORD_TILES=words,
+                   NUMBA_CACHE_DIR=str(cache))
+        checks[path] = subprocess.Popen([sys.executable, "-c", _PATH_CHECK, dot, words], env=env, text=True,
+                                        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                        cwd=Path(__file__).resolve().parents[2])
+    yield cache, checks
+    for check in checks.values():
+        if check.poll() is None:
+            check.kill()
+            check.communicate()
+
+
+@pytest.mark.parametrize("path", list(BFLOAT16_PATHS))
+def test_bfloat16_paths_match(path, bfloat16_path_checks):
+    """Every path for bfloat16 caches on any CPU that can run it: word tiles (the default), value-by-value widening
+    (OFFLOAD_ENGINE_WORD_TILES=0) and vdpbf16ps (OFFLOAD_ENGINE_BF16_DOT=1, AVX-512 BF16 only). Each in a process of
+    its own, all three on one numba cache: each must compile and keep its kernels under its own switches' tag."""
+    cache, checks = bfloat16_path_checks
+    if path not in checks:
+        pytest.skip("this CPU has no AVX-512 BF16")
+    stdout, stderr = checks[path].communicate(timeout=600)
+    assert checks[path].returncode == 0, stderr
+    lines = stdout.strip().splitlines()
+    assert len(lines) == 3, stdout
+    for line in lines:
+        error, lse_error = map(float, line.split())
+        assert error < TOLERANCE[torch.bfloat16] and lse_error < LSE_ATOL[torch.bfloat16]
+    dot, words = BFLOAT16_PATHS[path]
+    tag = f"words{words}-bf16dot{dot}"
+    assert list(cache.rglob(f"{tag}/decode_kernel.decode_kernel-*.nbi")), "compiled under its tag"
