@@ -63,7 +63,9 @@ case "${1:-check}" in
       --b-models qwen3-0.6b --out-dir "$OUT"
     ;;
   suite-guarantee-small|suite-guarantee-8b)  # the suite's guarantee alone (auto against gpu at every b and dh point
-    # of one model size), no cpu placement, no peers: one call where the full parts take two
+    # of one model size), no cpu placement, no peers: one call where the full parts take two. It writes
+    # offload_full_b-<model>-dh-<model>.json: report.py merges every offload_full_*.json of a folder, so the same
+    # points' older parts there (offload_full_b-<model>.json, ..._dh-<model>.json) leave it when this lands
     model=qwen3-0.6b; [ "$1" = suite-guarantee-8b ] && model=qwen3-8b
     step "${1//-/_}" 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names b,dh \
       --b-models $model --no-peers --no-cpu --out-dir "$OUT"
