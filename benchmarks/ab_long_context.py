@@ -21,8 +21,8 @@ from benchmarks.bench_throughput import device_slug, model_dir
 # Kept of each run; the decode steps' sum over median x steps is where promotions show (the device lane waits).
 KEPT = ("decode_tok_per_s", "fraction_of_bound", "bound_tok_per_s", "streamed_share", "prefill_tok_per_s",
         "output_tok_per_s", "decode_steps", "decode_steps_seconds", "decode_step_ms_median", "promotions",
-        "demotions", "preemptions", "decoded_by_lane", "steps_by_lane", "kv_location", "seconds", "prefill_seconds",
-        "error")
+        "split_growths", "demotions", "preemptions", "decoded_by_lane", "steps_by_lane", "kv_location", "seconds",
+        "prefill_seconds", "error")
 
 
 def by_value(runs: list[dict], values: list[str]) -> dict:

@@ -36,7 +36,8 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *,
     warm = [[vocab - 1] * min(length, 64)] + [[vocab - 2 - i] * length for i in range(count)]
     llm.generate(warm, SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
     scheduler = llm.engine.scheduler
-    moves_before = (scheduler.num_preemptions, scheduler.num_promotions, scheduler.num_demotions)
+    moves_before = (scheduler.num_preemptions, scheduler.num_promotions, scheduler.num_demotions,
+                    scheduler.num_split_growths)
     lanes_before = dict(llm.engine.decoded_by_lane)
     steps_before = dict(llm.engine.steps_by_lane)
     stats_before = llm.engine.stats.snapshot() if lane_stats_before else None
@@ -66,6 +67,8 @@ def measure(model_dir: str, prompts: list[list[int]], output_lens: list[int], *,
         "preemptions": scheduler.num_preemptions - moves_before[0],
         "promotions": scheduler.num_promotions - moves_before[1],
         "demotions": scheduler.num_demotions - moves_before[2],
+        # host rows that took spare device room as a part (promotion in parts, when it is on)
+        "split_growths": scheduler.num_split_growths - moves_before[3], "promote_in_parts": scheduler.promote_in_parts,
         "decoded_by_lane": {lane: n - lanes_before[lane] for lane, n in llm.engine.decoded_by_lane.items()},
         "steps_by_lane": {lane: n - steps_before[lane] for lane, n in llm.engine.steps_by_lane.items()},
         "weight_bytes": weight_bytes(llm),
