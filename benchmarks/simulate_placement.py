@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, replace
 
 from benchmarks.workloads import mixed_lengths
 from offload_engine.config import EngineConfig
-from offload_engine.engine.llm_engine import LLMEngine
+from offload_engine.engine.llm_engine import LLMEngine, promote_in_parts
 from offload_engine.engine.sched.block_manager import BlockManager
 from offload_engine.engine.sched.lane_stats import LaneStats
 from offload_engine.engine.sched.scheduler import Scheduler
@@ -241,9 +241,11 @@ class FakeRunner:
         return False
 
 
-def build_engine(policy: str, point: Point, clock: SimClock, cost: CostModel, in_parts: bool = False) -> LLMEngine:
+def build_engine(policy: str, point: Point, clock: SimClock, cost: CostModel,
+                 in_parts: bool | None = None) -> LLMEngine:
     """An LLMEngine with the real scheduler, pools and lane statistics around the fake runner, host lane and clock
-    (in_parts: Scheduler.promote_in_parts)."""
+    (in_parts: Scheduler.promote_in_parts; None: the engine's default, promote_in_parts())."""
+    in_parts = promote_in_parts() if in_parts is None else in_parts
     blocks = BlockManager(point.num_gpu_blocks, DEVICE_BLOCK_SIZE, HOST_POOL_BLOCKS[point.model], HOST_BLOCK_SIZE,
                           enable_prefix_caching=True)
     stats = LaneStats(cost.kv_bytes, 1 / cost.link_bytes_per_s)
@@ -265,7 +267,7 @@ def add_requests(engine: LLMEngine, point: Point) -> None:
         engine.add(Sequence(prompt, SamplingParams(max_tokens=output_len, ignore_eos=True), prompt_len + output_len))
 
 
-def simulate(policy: str, point: Point, cost: CostModel | None = None, in_parts: bool = False) -> dict:
+def simulate(policy: str, point: Point, cost: CostModel | None = None, in_parts: bool | None = None) -> dict:
     """Runs every request of the point to its end under `policy`; returns what a device run would report."""
     clock = SimClock()
     engine = build_engine(policy, point, clock, cost or COST_MODELS[point.model], in_parts)
@@ -294,7 +296,7 @@ def summarize(policy: str, point: Point, engine: LLMEngine, seconds: float) -> d
     }
 
 
-def compare(point: Point, device_ms_per_host_step: float | None = None, in_parts: bool = False) -> dict:
+def compare(point: Point, device_ms_per_host_step: float | None = None, in_parts: bool | None = None) -> dict:
     cost = COST_MODELS[point.model]
     if device_ms_per_host_step is not None:
         cost = replace(cost, device_s_per_host_step=device_ms_per_host_step / 1e3)
@@ -358,9 +360,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--device-ms-per-host-step", type=float,
                         help="a single point's host steps each cost the device lane this many ms (its weight reads), "
                              "instead of the cost model's constant slowdown (8B on the H100 host: 2.7-3.3)")
-    parser.add_argument("--promote-in-parts", action="store_true",
-                        help="host rows take spare device room as split rows (Scheduler.promote_in_parts); the fake "
-                             "runner charges every copied token to the device lane, the parts' early copies too")
+    parser.add_argument("--promote-in-parts", action=argparse.BooleanOptionalAction, default=None,
+                        help="host rows take spare device room as split rows (Scheduler.promote_in_parts; default: "
+                             "the engine's, on unless OFFLOAD_ENGINE_PROMOTE_IN_PARTS=0); the fake runner charges "
+                             "every copied token to the device lane, the parts' early copies too")
     parser.add_argument("--out", help="write the results here as JSON")
     args = parser.parse_args()
     if args.device_ms_per_host_step is not None and args.model is None:

@@ -26,10 +26,10 @@ PROMOTION_GROUP_BYTES = 512 << 20
 
 
 def promote_in_parts() -> bool:
-    """OFFLOAD_ENGINE_PROMOTE_IN_PARTS=1: host rows take spare device room as split rows and are promoted in parts
-    (Scheduler.promote_in_parts). Off until measured on a GPU host (docs/decisions/placement.md, "Promotion in
+    """Whether host rows take spare device room as split rows and are promoted in parts (Scheduler.promote_in_parts):
+    on unless OFFLOAD_ENGINE_PROMOTE_IN_PARTS=0, the switch for A/B runs (docs/decisions/placement.md, "Promotion in
     parts")."""
-    return os.environ.get("OFFLOAD_ENGINE_PROMOTE_IN_PARTS", "0") == "1"
+    return os.environ.get("OFFLOAD_ENGINE_PROMOTE_IN_PARTS", "1") != "0"
 
 
 @dataclass

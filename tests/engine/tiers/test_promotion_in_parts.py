@@ -1,4 +1,4 @@
-"""Promotion in parts (OFFLOAD_ENGINE_PROMOTE_IN_PARTS=1, Scheduler.promote_in_parts): a host row takes spare device
+"""Promotion in parts (Scheduler.promote_in_parts; on unless OFFLOAD_ENGINE_PROMOTE_IN_PARTS=0): a host row takes spare device
 room for its leading blocks and becomes a split row; once the rest fits, the split row is promoted, its host part
 copied after its device part. Greedy tokens equal transformers' along the path host -> split -> device."""
 import pytest
@@ -65,9 +65,9 @@ def test_spare_room_goes_to_a_whole_host_row_only_in_parts_once_and_at_least_hal
 @pytest.mark.parametrize("arch,cpu_block_size", [("qwen3", 16), ("llama", 32)])
 def test_host_rows_promoted_in_parts_stay_exact(tiny_models, monkeypatch, arch, cpu_block_size):
     """Budgets of 43-66 tokens take 3-5 device blocks: the short rows fill the 6-block pool, the long ones go to the
-    host. When a short row ends, the room is too small for a long row whole: with parts on, the first takes it as a
-    device part, and is promoted (its host part only) when the second short row ends."""
-    monkeypatch.setenv("OFFLOAD_ENGINE_PROMOTE_IN_PARTS", "1")
+    host. When a short row ends, the room is too small for a long row whole: with parts on (the default), the first
+    takes it as a device part, and is promoted (its host part only) when the second short row ends."""
+    monkeypatch.delenv("OFFLOAD_ENGINE_PROMOTE_IN_PARTS", raising=False)
     model_dir = tiny_models[arch]
     prompts = random_prompts((40, 41, 39, 42), 256, seed=60)
     max_tokens = (4, 4, 24, 24)
@@ -88,8 +88,9 @@ def test_host_rows_promoted_in_parts_stay_exact(tiny_models, monkeypatch, arch, 
         assert output.token_ids == ref[:n]
 
 
-def test_promotion_in_parts_is_off_unless_asked(qwen3_dir, monkeypatch):
-    monkeypatch.delenv("OFFLOAD_ENGINE_PROMOTE_IN_PARTS", raising=False)
+def test_promotion_in_parts_is_off_when_switched_off(qwen3_dir, monkeypatch):
+    """OFFLOAD_ENGINE_PROMOTE_IN_PARTS=0, the A/B switch: the run above takes no device part."""
+    monkeypatch.setenv("OFFLOAD_ENGINE_PROMOTE_IN_PARTS", "0")
     with LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
              cpu_block_size=16) as llm:
         llm.generate(random_prompts((40, 41, 39, 42), 256, seed=60),
