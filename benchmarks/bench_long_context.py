@@ -1,9 +1,10 @@
 """Long contexts across both tiers, against the platform's ceilings measured in the same process.
 
-    python -m benchmarks.bench_long_context --workload c|batch8b|tiny [--out-dir DIR] [--skip-peer] [--skip-cpu]
+    python -m benchmarks.bench_long_context --workload c|c256|c640|batch8b|tiny [--out-dir DIR] [--skip-peer]
+        [--skip-cpu] [--peer-only JSON]
 
 Workloads: c, one 262,144-token context (262,080 + 64) on the 0.6B shape with a 32,768-token device budget
-(workloads.py's full profile); batch8b, 8 x (32,768 + 256) on the 8B shape at a 24 GB card's 3,296 device blocks; tiny, the embedded
+(workloads.py's full profile), and the same context with 256 or 640 new tokens (c256, c640); batch8b, 8 x (32,768 + 256) on the 8B shape at a 24 GB card's 3,296 device blocks; tiny, the embedded
 model on the CPU (the test's). Each runs kv_placement="auto" with streaming (the entry), the same with
 stream_host_kv=False (the CPU path alone), kv_placement="cpu", and transformers' generate with the offloaded cache
 on the same prompts. The result merges, by workload, into <out-dir>/long_context.json = {"device", "date",
@@ -28,7 +29,8 @@ on the same prompts. The result merges, by workload, into <out-dir>/long_context
 - hf_offloaded_*: each attempt a subprocess with a time limit (a full batch was OOM-killed for host memory), the
   largest batch first; every failure is recorded with its reason. --deadline-s bounds the process so that a
   workload fits one 10-minute device call: the peer gets what is left, and the host-only run is skipped (recorded)
-  when less is left than it should take.
+  when less is left than it should take. Where the peer needs a call of its own (c640), --skip-peer runs the rest
+  and --peer-only JSON, on the same warm machine, runs the peer for the entry in JSON and writes it with the peer.
 """
 import argparse
 import json
@@ -90,6 +92,11 @@ WORKLOADS = {
     # slower than it is), so this runs with --skip-cpu in one call.
     "c256": LongContext("c256", _FULL.c_model, 1, _FULL.c_context - 256, 256, _FULL.c_budget_tokens // 16,
                         peer_batches=(1,), peer_seconds=260.0, ceilings=C_CEILINGS),
+    # c at 640 new tokens: the whole call's ratio to the peer rises with the new tokens toward decode's (3.36x on the
+    # H200 at c256), past 3x from ~550 at c256's rates. Its peer (~440 s) takes a call of its own: --skip-peer here,
+    # then --peer-only on the same warm host.
+    "c640": LongContext("c640", _FULL.c_model, 1, _FULL.c_context - 640, 640, _FULL.c_budget_tokens // 16,
+                        peer_batches=(1,), peer_seconds=470.0, ceilings=C_CEILINGS),
     "batch8b": LongContext("batch8b", "qwen3-8b", 8, 32768, 256, QWEN3_8B_ON_24_GIB, peer_batches=(8, 4, 2, 1)),
     # Both rows longer than the device pool (128 tokens): split, on the host lane, as c's row is.
     "tiny": LongContext("tiny", "tiny", 2, 240, 8, 8, peer_batches=(2, 1), peer_seconds=10.0, vocab=400,
@@ -374,6 +381,51 @@ def _bars(ax, xs: list[float], values: list[float], width: float, label: str, lo
             ax.text(x, 0.02, "not run", transform=ax.get_xaxis_transform(), ha="center", fontsize=7, rotation=90)
 
 
+def with_peer(entry: dict, spec: LongContext, path: str, deadline: Deadline,
+              peer_batches: tuple[int, ...] | None = None) -> dict:
+    """The entry with transformers' offloaded cache run on its prompts, and our rates set against the peer's."""
+    entry.update(hf_offloaded(spec, path, deadline, peer_batches))
+    entry["skipped"].pop("hf_offloaded", None)
+    return with_peer_ratios(entry)
+
+
+def with_peer_ratios(entry: dict) -> dict:
+    entry["vs_hf_offloaded"] = ratio(entry["output_tok_per_s"], entry["hf_offloaded_tok_per_s"])
+    entry["vs_hf_offloaded_decode"] = ratio(entry["decode_tok_per_s"], entry["hf_offloaded_decode_tok_per_s"])
+    return entry
+
+
+def entry_of(json_path: str, workload: str) -> dict:
+    """The workload's entry in a long_context.json, for --peer-only; an OSError or ValueError names what is missing."""
+    try:
+        with open(json_path) as f:
+            entries = json.load(f).get("entries", [])
+    except ValueError as e:
+        raise ValueError(f"--peer-only {json_path}: not a long_context.json ({e})") from None
+    found = [e for e in entries if e.get("workload") == workload]
+    if not found:
+        raise ValueError(f"--peer-only {json_path} has no entry of workload {workload!r} (it has "
+                         f"{[e.get('workload') for e in entries]}): run --workload {workload} --skip-peer first")
+    return found[0]
+
+
+def peer_only(spec: LongContext, entry_path: str, out_path: str, deadline: Deadline, model_cache: str,
+              peer_batches: tuple[int, ...] | None = None) -> dict:
+    """The peer alone, for an entry an earlier call of this machine measured with --skip-peer: where the peer needs
+    a call of its own. The entry keeps its own date and commit; the peer's call adds its own (hf_offloaded_call)."""
+    entry = entry_of(entry_path, spec.name)
+    if entry.get("device") != device_slug():
+        raise ValueError(f"--peer-only {entry_path}: its {spec.name} entry ran on {entry.get('device')}, this is "
+                         f"{device_slug()}: set the peer against runs of the same machine")
+    header = {"device": device_slug(), "date": time.strftime("%Y-%m-%d"), "commit": commit()}
+    entry["hf_offloaded_call"] = header
+    with_peer(entry, spec, model_dir(spec.model, model_cache), deadline, peer_batches)
+    merge_entry(out_path, entry, {k: entry[k] for k in ("device", "date", "commit")})
+    log(f"[{spec.name}] wrote {out_path}: transformers offloaded {entry['hf_offloaded_tok_per_s']} tok/s at batch "
+        f"{entry['hf_offloaded_batch']}, vs transformers offloaded {entry['vs_hf_offloaded']}")
+    return entry
+
+
 def run_workload(spec: LongContext, ceilings: dict, out_path: str, deadline: Deadline, model_cache: str,
                  skip_peer: bool = False, skip_cpu: bool = False, peer_batches: tuple[int, ...] | None = None) -> dict:
     """The workload's entry, written to out_path after every run (see the module docstring)."""
@@ -413,10 +465,9 @@ def run_workload(spec: LongContext, ceilings: dict, out_path: str, deadline: Dea
         entry["skipped"]["hf_offloaded"] = "--skip-peer"
         entry.update(hf_offloaded_tok_per_s=None, hf_offloaded_batch=None, hf_offloaded_decode_tok_per_s=None,
                      hf_offloaded_failures=[], hf_offloaded=None)
+        with_peer_ratios(entry)
     else:
-        entry.update(hf_offloaded(spec, path, deadline, peer_batches))
-    entry["vs_hf_offloaded"] = ratio(entry["output_tok_per_s"], entry["hf_offloaded_tok_per_s"])
-    entry["vs_hf_offloaded_decode"] = ratio(entry["decode_tok_per_s"], entry["hf_offloaded_decode_tok_per_s"])
+        with_peer(entry, spec, path, deadline, peer_batches)
     for reason in entry["skipped"].items():
         log(f"[{spec.name}] skipped {reason[0]}: {reason[1]}")
     save()
@@ -435,6 +486,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                         "in order (default the workload's); larger ones left out are recorded as not attempted")
     parser.add_argument("--deadline-s", type=float, default=540.0, help="the process's wall-clock budget")
     parser.add_argument("--model-cache", default="/tmp/offload_engine_models")
+    parser.add_argument("--peer-only", default=None, metavar="JSON",
+                        help="only the peer, for the workload's entry in JSON (a --skip-peer run of this machine)")
     parser.add_argument("--peer-attempt", default=None, help=argparse.SUPPRESS)  # a peer subprocess's request
     parser.add_argument("--plot", default=None, metavar="JSON", help="only plot a long_context.json beside it")
     args = parser.parse_args(argv)
@@ -447,14 +500,16 @@ def main(argv: list[str] | None = None) -> dict | None:
     from benchmarks.platform_ceilings import measure_ceilings
 
     spec, deadline = WORKLOADS[args.workload], Deadline(args.deadline_s)
+    out_dir = args.out_dir or os.path.join(RESULTS, device_slug())
+    out_path = os.path.join(out_dir, "long_context.json")
+    peer_batches = tuple(int(b) for b in args.peer_batches.split(",")) if args.peer_batches else None
+    if args.peer_only:
+        return peer_only(spec, args.peer_only, out_path, deadline, args.model_cache, peer_batches)
     log(f"[{spec.name}] platform ceilings")
     ceilings = measure_ceilings(**spec.ceilings)
     log(f"[{spec.name}] ceilings: host kernel {ceilings['host_kernel_gbps']:.1f} GB/s, stream "
         f"{ceilings['stream_gbps']} GB/s, together {ceilings['together']}, HBM {ceilings['hbm_gbps']} GB/s "
         f"{ceilings['stream_error'] or ''}")
-    out_dir = args.out_dir or os.path.join(RESULTS, device_slug())
-    out_path = os.path.join(out_dir, "long_context.json")
-    peer_batches = tuple(int(b) for b in args.peer_batches.split(",")) if args.peer_batches else None
     entry = run_workload(spec, ceilings, out_path, deadline, args.model_cache, args.skip_peer, args.skip_cpu,
                          peer_batches)
     plot(out_path, os.path.splitext(out_path)[0] + ".png")

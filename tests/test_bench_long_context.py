@@ -107,6 +107,38 @@ def test_a_peer_attempt_with_no_time_left_is_recorded_as_not_attempted(monkeypat
     assert all(f["reason"].startswith("not attempted") for f in found["hf_offloaded_failures"])
 
 
+def test_the_peer_alone_completes_an_entry_measured_without_it_and_keeps_the_rest(tmp_path, monkeypatch):
+    """--peer-only: a workload whose peer needs a call of its own (c640) gets it added to its --skip-peer entry."""
+    measured = {"workload": "tiny", "device": bench.device_slug(), "date": "d", "commit": "a", "output_tok_per_s": 6.0,
+                "decode_tok_per_s": 9.0, "skipped": {"hf_offloaded": "--skip-peer"}, "runs": {"stream_on": {}}}
+    other = {"workload": "c", "device": "x"}
+    entry_path = tmp_path / "measured.json"
+    entry_path.write_text(json.dumps({"device": "x", "entries": [other, measured]}))
+    calls = []
+    ran = {"output_tok_per_s": 2.0, "decode_tok_per_s": 3.0, "output_tokens": 16, "batch_size": 2}
+    monkeypatch.setattr(bench, "run_peer_attempt", _fake_runner({2: ran}, calls))
+    monkeypatch.setattr(bench, "model_dir", lambda model, cache: "/model")
+    out_dir = tmp_path / "out"
+    bench.main(["--workload", "tiny", "--peer-only", str(entry_path), "--out-dir", str(out_dir)])
+    [entry] = json.loads((out_dir / "long_context.json").read_text())["entries"]
+    assert {k: entry[k] for k in measured if k != "skipped"} == {k: measured[k] for k in measured if k != "skipped"}
+    assert entry["skipped"] == {} and entry["hf_offloaded_batch"] == 2 and entry["hf_offloaded"] == ran
+    assert entry["vs_hf_offloaded"] == 3.0 and entry["vs_hf_offloaded_decode"] == 3.0
+    assert entry["hf_offloaded_call"]["device"] == bench.device_slug() and len(calls) == 1
+
+
+def test_the_peer_alone_refuses_a_file_without_the_entry_or_from_another_machine(tmp_path):
+    path = tmp_path / "long_context.json"
+    path.write_text(json.dumps({"entries": [{"workload": "c", "device": bench.device_slug()}]}))
+    with pytest.raises(ValueError, match="no entry of workload 'tiny'.*--skip-peer"):
+        bench.main(["--workload", "tiny", "--peer-only", str(path), "--out-dir", str(tmp_path)])
+    path.write_text(json.dumps({"entries": [{"workload": "tiny", "device": "another-gpu"}]}))
+    with pytest.raises(ValueError, match="ran on another-gpu"):
+        bench.main(["--workload", "tiny", "--peer-only", str(path), "--out-dir", str(tmp_path)])
+    with pytest.raises(OSError):
+        bench.main(["--workload", "tiny", "--peer-only", str(tmp_path / "missing.json"), "--out-dir", str(tmp_path)])
+
+
 def test_a_peer_killed_by_a_signal_is_described_by_the_signal():
     assert "SIGKILL" in bench.describe_exit(-9) and bench.describe_exit(3) == "exit status 3"
 
