@@ -1,13 +1,13 @@
 """Long contexts across both tiers, against the platform's ceilings measured in the same process.
 
-    python -m benchmarks.bench_long_context --workload c|c256|c640|batch8b|tiny [--out-dir DIR] [--skip-peer]
+    python -m benchmarks.bench_long_context --workload c|c256|c512|batch8b|tiny [--out-dir DIR] [--skip-peer]
         [--skip-cpu] [--peer-only JSON]
 
 Workloads: c, one 262,144-token context (262,080 + 64) on the 0.6B shape with a 32,768-token device budget
-(workloads.py's full profile), and the same context with 256 or 640 new tokens (c256, c640); batch8b, 8 x (32,768 + 256) on the 8B shape at a 24 GB card's 3,296 device blocks; tiny, the embedded
-model on the CPU (the test's). Each runs kv_placement="auto" with streaming (the entry), the same with
-stream_host_kv=False (the CPU path alone), kv_placement="cpu", and transformers' generate with the offloaded cache
-on the same prompts. The result merges, by workload, into <out-dir>/long_context.json = {"device", "date",
+(workloads.py's full profile), and the same context with 256 or 512 new tokens (c256, c512); batch8b, 8 x (32,768 +
+256) on the 8B shape at a 24 GB card's 3,296 device blocks; tiny, the embedded model on the CPU (the test's). Each
+runs kv_placement="auto" with streaming (the entry), the same with stream_host_kv=False (the CPU path alone),
+kv_placement="cpu", and transformers' generate with the offloaded cache on the same prompts. The result merges, by workload, into <out-dir>/long_context.json = {"device", "date",
 "commit", "entries"} (default out-dir benchmarks/results/<device>/); it is written after every run.
 - decode_tok_per_s: tokens made by decode steps over the decode steps' seconds (the call less its prefill steps).
   rows / median step (rows_over_median_step_tok_per_s) agrees where every row is in every step (c), but where
@@ -29,7 +29,7 @@ on the same prompts. The result merges, by workload, into <out-dir>/long_context
 - hf_offloaded_*: each attempt a subprocess with a time limit (a full batch was OOM-killed for host memory), the
   largest batch first; every failure is recorded with its reason. --deadline-s bounds the process so that a
   workload fits one 10-minute device call: the peer gets what is left, and the host-only run is skipped (recorded)
-  when less is left than it should take. Where the peer needs a call of its own (c640), --skip-peer runs the rest
+  when less is left than it should take. Where the peer needs a call of its own (c512), --skip-peer runs the rest
   and --peer-only JSON, on the same warm machine, runs the peer for the entry in JSON and writes it with the peer.
 """
 import argparse
@@ -92,10 +92,10 @@ WORKLOADS = {
     # slower than it is), so this runs with --skip-cpu in one call.
     "c256": LongContext("c256", _FULL.c_model, 1, _FULL.c_context - 256, 256, _FULL.c_budget_tokens // 16,
                         peer_batches=(1,), peer_seconds=260.0, ceilings=C_CEILINGS),
-    # c at 640 new tokens: the whole call's ratio to the peer rises with the new tokens toward decode's (3.36x on the
-    # H200 at c256), past 3x from ~550 at c256's rates. Its peer (~440 s) takes a call of its own: --skip-peer here,
-    # then --peer-only on the same warm host.
-    "c640": LongContext("c640", _FULL.c_model, 1, _FULL.c_context - 640, 640, _FULL.c_budget_tokens // 16,
+    # c at 512 new tokens: the whole call's ratio to the peer rises with the new tokens toward decode's (3.36x on the
+    # H200 host at c256, 3.65x on the H100 host at c). Its peer (~360 s on the H200 host, ~400 s on the H100 host)
+    # takes a call of its own: --skip-peer here, then --peer-only on the same warm host.
+    "c512": LongContext("c512", _FULL.c_model, 1, _FULL.c_context - 512, 512, _FULL.c_budget_tokens // 16,
                         peer_batches=(1,), peer_seconds=470.0, ceilings=C_CEILINGS),
     "batch8b": LongContext("batch8b", "qwen3-8b", 8, 32768, 256, QWEN3_8B_ON_24_GIB, peer_batches=(8, 4, 2, 1)),
     # Both rows longer than the device pool (128 tokens): split, on the host lane, as c's row is.

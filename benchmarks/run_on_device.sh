@@ -3,7 +3,7 @@
 # Usage: bash benchmarks/run_on_device.sh STAGE
 #   check, engine, tiers, gpu-bench, cpu-bench, suite-ac, suite-c, suite-b-small, suite-b-8b, suite-ac-8b,
 #   suite-dh-small, suite-dh-8b, engine-step, kv-store, lanes, startup-load, host-kernel-paired, placement-mixed,
-#   placement-ab, long-context-c, long-context-c256, long-context-c640, long-context-c640-peer, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
+#   placement-ab, long-context-c, long-context-c256, long-context-c512, long-context-c512-peer, long-context-8b, long-context-profile, step-ab, test-gpu-shards, weight-check,
 #   flash-attn-install, flash-attn, flash-attn-bench, flash-attn-rounds, tp-and-backends, multi-gpu, multi-gpu-tp, multi-gpu-steps,
 #   tp-all-reduce, tests-multi-gpu, tp-check, tp-two-gpus, decode-tiles, skinny-gemm, skinny-step,
 #   long-context-8b-decode, long-context-8b-parts, suite-guarantee-small, suite-guarantee-8b
@@ -144,14 +144,14 @@ case "${1:-check}" in
     step long_context_c256 590 python3 -m benchmarks.bench_long_context --workload c256 --skip-cpu --deadline-s 580 \
       --out-dir "$OUT" ${LC_FLAGS:-}
     ;;
-  long-context-c640)  # c with 640 new tokens: auto with and without streaming, no cpu run, no peer (~6-7 min);
-    # then long-context-c640-peer on the same warm host, with this call's long_context.json copied into the tree
-    step long_context_c640 590 python3 -m benchmarks.bench_long_context --workload c640 --skip-cpu --skip-peer \
+  long-context-c512)  # c with 512 new tokens: auto with and without streaming, no cpu run, no peer (~6-7 min);
+    # then long-context-c512-peer on the same warm host, with this call's long_context.json copied into the tree
+    step long_context_c512 590 python3 -m benchmarks.bench_long_context --workload c512 --skip-cpu --skip-peer \
       --deadline-s 580 --out-dir "$OUT" ${LC_FLAGS:-}
     ;;
-  long-context-c640-peer)  # transformers' offloaded cache on c640's prompt (~8-9 min), for the entry in $ENTRY (the
-    # long_context.json of long-context-c640's call on this host, carried in the tree); writes it with the peer
-    step long_context_c640_peer 595 python3 -m benchmarks.bench_long_context --workload c640 --peer-only "$ENTRY" \
+  long-context-c512-peer)  # transformers' offloaded cache on c512's prompt (~7-8 min), for the entry in $ENTRY (the
+    # long_context.json of long-context-c512's call on this host, carried in the tree); writes it with the peer
+    step long_context_c512_peer 595 python3 -m benchmarks.bench_long_context --workload c512 --peer-only "$ENTRY" \
       --deadline-s 590 --out-dir "$OUT"
     ;;
   long-context-8b)  # 8B shape, 8 x (32,768 + 256) at a 24 GB card's 3,296 blocks: the same runs; the cpu run is

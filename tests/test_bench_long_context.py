@@ -108,7 +108,7 @@ def test_a_peer_attempt_with_no_time_left_is_recorded_as_not_attempted(monkeypat
 
 
 def test_the_peer_alone_completes_an_entry_measured_without_it_and_keeps_the_rest(tmp_path, monkeypatch):
-    """--peer-only: a workload whose peer needs a call of its own (c640) gets it added to its --skip-peer entry."""
+    """--peer-only: a workload whose peer needs a call of its own (c512) gets it added to its --skip-peer entry."""
     measured = {"workload": "tiny", "device": bench.device_slug(), "date": "d", "commit": "a", "output_tok_per_s": 6.0,
                 "decode_tok_per_s": 9.0, "skipped": {"hf_offloaded": "--skip-peer"}, "runs": {"stream_on": {}}}
     other = {"workload": "c", "device": "x"}
