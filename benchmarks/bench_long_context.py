@@ -7,8 +7,9 @@ Workloads: c, one 262,144-token context (262,080 + 64) on the 0.6B shape with a 
 (workloads.py's full profile), and the same context with 256 or 512 new tokens (c256, c512); batch8b, 8 x (32,768 +
 256) on the 8B shape at a 24 GB card's 3,296 device blocks; tiny, the embedded model on the CPU (the test's). Each
 runs kv_placement="auto" with streaming (the entry), the same with stream_host_kv=False (the CPU path alone),
-kv_placement="cpu", and transformers' generate with the offloaded cache on the same prompts. The result merges, by workload, into <out-dir>/long_context.json = {"device", "date",
-"commit", "entries"} (default out-dir benchmarks/results/<device>/); it is written after every run.
+kv_placement="cpu", and transformers' generate with the offloaded cache on the same prompts. The result merges, by
+workload, into <out-dir>/long_context.json = {"device", "date", "commit", "entries"} (default out-dir
+benchmarks/results/<device>/); it is written after every run.
 - decode_tok_per_s: tokens made by decode steps over the decode steps' seconds (the call less its prefill steps).
   rows / median step (rows_over_median_step_tok_per_s) agrees where every row is in every step (c), but where
   device rows step on their own lane beside a host lane (batch8b) a median step is a device step.
