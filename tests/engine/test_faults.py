@@ -1,7 +1,8 @@
 """A fault inside generate() comes out of it with its cause; no thread is left busy; the engine stays usable.
 
 Faults are injected where they would really arise: a host kernel raising on the host-lane thread, a host
-write raising on the executor during prefill, and a KeyboardInterrupt landing on the engine's thread in the
+write raising on the executor during prefill, a promotion's copy raising (on the executor where it gathers host
+blocks, on the engine's thread where the device reads them), and a KeyboardInterrupt landing on the engine's thread in the
 middle of a step's bookkeeping while a host step is in flight.
 """
 import threading
@@ -13,6 +14,7 @@ import cpu_attention
 from cpu_attention import layer_loop
 from offload_engine import LLM, SamplingParams
 from offload_engine.engine.sequence import BlockLocation
+from offload_engine.engine.tiers import kv_promotion
 from offload_engine.layers import attention
 from tests.conftest import TEST_DEVICE
 from tests.oracle import hf_greedy, random_prompts
@@ -88,6 +90,23 @@ def test_host_write_error_during_prefill_comes_out_of_generate(qwen3_dir, monkey
         llm.generate(PROMPTS, GREEDY, use_tqdm=False)
     monkeypatch.setattr(owner, name, original)
     monkeypatch.setattr(runner.inputs, "direct_host_writes", True)
+    _assert_idle_and_usable(llm, qwen3_dir)
+    llm.close()
+
+
+def test_promotion_copy_error_comes_out_of_generate(qwen3_dir, monkeypatch):
+    """The two short rows end first; the host rows are promoted into the room they leave, and the first copy fails."""
+    llm = LLM(qwen3_dir, device=TEST_DEVICE, kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=24,
+              cpu_block_size=16)
+    fault = RuntimeError("injected promotion copy fault")
+    originals = {name: getattr(kv_promotion, name) for name in ("gather_blocks", "gather_host_blocks")}
+    for name, original in originals.items():
+        monkeypatch.setattr(kv_promotion, name, _fails_on_call(original, 1, fault))
+    params = [SamplingParams(temperature=0, max_tokens=n) for n in (2, 2, 12, 12, 12)]
+    with pytest.raises(RuntimeError, match="injected promotion copy fault"):
+        llm.generate(PROMPTS, params, use_tqdm=False)
+    for name, original in originals.items():
+        monkeypatch.setattr(kv_promotion, name, original)
     _assert_idle_and_usable(llm, qwen3_dir)
     llm.close()
 

@@ -13,7 +13,11 @@ from offload_engine.engine.tiers.kv_promotion import copy_to_device, read_mapped
 def promote(runner, moves: list[tuple[Sequence, list[int]]]):
     """Copies promoted sequences' KV from their old host blocks into their new device blocks: on the moves stream
     where the device reads the pinned pool, returning the reads' event, before which nothing may decode the rows or
-    write their old or new blocks; else done on return (None)."""
+    write their old or new blocks; else done on return (None). A move with no computed token to carry (a split
+    row whose device part holds all of its KV, promoted) copies nothing."""
+    moves = [(seq, blocks) for seq, blocks in moves if seq.num_computed_tokens and blocks]
+    if not moves:
+        return None
     mapped = runner.host_pool.device_stacked()
     if mapped is None:
         with torch.inference_mode(), runner.lane_stream("device"):

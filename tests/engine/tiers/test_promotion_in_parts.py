@@ -37,6 +37,22 @@ def test_a_host_row_grows_a_device_part_then_moves_the_rest_after_it():
     assert seq.num_hashed_blocks == 7  # registered on from the device part's blocks
 
 
+def test_a_split_row_whose_device_part_holds_all_its_kv_is_promoted_with_nothing_to_copy():
+    """Found under load (tests/engine/test_load.py) once parts were on: a row of exactly one full host block takes
+    it as its device part; promoted, its move carries no computed token (its old host block holds only the newest
+    token's slot, not yet written), and the copy skips it (it once reached the host gather with zero blocks and
+    failed)."""
+    from offload_engine.engine.tiers import tier_moves
+
+    blocks = BlockManager(num_gpu_blocks=4, block_size=16, num_cpu_blocks=4, cpu_block_size=16)
+    seq = _host_row(blocks, 16, budget=30)
+    blocks.grow_device_part(seq, 1)
+    assert seq.is_split and seq.num_device_tokens == seq.num_computed_tokens == 16
+    move = blocks.promote_split(seq)
+    assert move[0].num_computed_tokens == 0 and move[0].block_table == [] and seq.location == GPU
+    assert tier_moves.promote(None, [move]) is None  # returns before it touches a runner: nothing crosses
+
+
 def test_promotions_take_a_split_row_at_the_room_its_host_part_needs():
     blocks = BlockManager(num_gpu_blocks=20, block_size=16, num_cpu_blocks=8, cpu_block_size=16)
     whole, split = _host_row(blocks, 40, budget=60), _host_row(blocks, 40, budget=60)
