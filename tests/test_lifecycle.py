@@ -1,5 +1,8 @@
 """What an engine starts it releases: on close(), on leaving `with`, and when it is garbage collected unclosed."""
 import gc
+import os
+import subprocess
+import sys
 import threading
 import weakref
 
@@ -131,3 +134,35 @@ def test_the_start_up_heap_is_frozen_while_the_engine_is_open_and_collectable_af
         assert gc.get_freeze_count() == 0
         gc.collect()
         assert engine() is None  # the engine, frozen with the start-up heap, is collected once unfrozen
+
+
+LEFT_OPEN_THEN_NEXT_ENGINE = """
+import gc
+import sys
+from offload_engine import LLM
+make = lambda: LLM(sys.argv[1], device=sys.argv[2], kv_placement="auto", num_gpu_blocks=6, num_cpu_blocks=16,
+                   cpu_block_size=16)
+
+class Holder:
+    pass
+
+llm = make()
+left_open = Holder()  # a cycle made after start-up (so not frozen with its heap): only a collection frees it
+left_open.self, left_open.llm = left_open, llm
+del llm
+gc.disable()  # as for old garbage, left to a full collection: no automatic one frees it first
+del left_open
+make().close()  # its start-up collects the cycle: the first engine's finalizer closes it there
+print("started")
+"""
+
+
+def test_an_engine_left_open_and_collected_while_the_next_one_starts_does_not_hang_it(qwen3_dir):
+    """An engine dropped unclosed inside garbage (as a failed call's traceback holds it) is closed by its finalizer
+    when a collection frees it; start-up's own collection (engine/gc_heap.py) did so while holding the heap lock that
+    close() takes, and the process hung (found when a test's fixture failed and the next test started an engine).
+    In a subprocess, so that a hang fails this test instead of the suite."""
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    done = subprocess.run([sys.executable, "-c", LEFT_OPEN_THEN_NEXT_ENGINE, qwen3_dir, TEST_DEVICE], env=env,
+                          capture_output=True, text=True, timeout=90)
+    assert done.returncode == 0 and done.stdout.strip().endswith("started"), done.stderr[-2000:]

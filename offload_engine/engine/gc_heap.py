@@ -5,14 +5,17 @@ cycles among frozen objects wait until the last open engine closes.
 import gc
 import threading
 
-_lock = threading.Lock()
+# Reentrant: a collection may run an unclosed engine's finalizer (its close()) on a thread that holds it.
+_lock = threading.RLock()
 _open = 0  # engines that froze the heap and have not closed yet
 
 
 def freeze_after_start_up() -> None:
     global _open
+    # Garbage from before (an engine closed earlier) goes now, not into the frozen heap. Outside the lock: an engine
+    # left open in that garbage is closed by its finalizer here, and close() takes the lock.
+    gc.collect()
     with _lock:
-        gc.collect()  # garbage from before (an engine closed earlier) goes now, not into the frozen heap
         gc.freeze()
         _open += 1
 
