@@ -162,7 +162,7 @@ def test_an_engine_left_open_and_collected_while_the_next_one_starts_does_not_ha
     when a collection frees it; start-up's own collection (engine/gc_heap.py) did so while holding the heap lock that
     close() takes, and the process hung (found when a test's fixture failed and the next test started an engine).
     In a subprocess, so that a hang fails this test instead of the suite."""
-    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    env = {**os.environ, "PYTHONPATH": os.path.dirname(os.path.dirname(os.path.abspath(__file__)))}
     done = subprocess.run([sys.executable, "-c", LEFT_OPEN_THEN_NEXT_ENGINE, qwen3_dir, TEST_DEVICE], env=env,
                           capture_output=True, text=True, timeout=90)
     assert done.returncode == 0 and done.stdout.strip().endswith("started"), done.stderr[-2000:]

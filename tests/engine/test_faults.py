@@ -2,8 +2,8 @@
 
 Faults are injected where they would really arise: a host kernel raising on the host-lane thread, a host
 write raising on the executor during prefill, a promotion's copy raising (on the executor where it gathers host
-blocks, on the engine's thread where the device reads them), and a KeyboardInterrupt landing on the engine's thread in the
-middle of a step's bookkeeping while a host step is in flight.
+blocks, on the engine's thread where the device reads them), and a KeyboardInterrupt landing on the engine's
+thread in the middle of a step's bookkeeping while a host step is in flight.
 """
 import threading
 import time

@@ -1,6 +1,6 @@
-"""Promotion in parts (Scheduler.promote_in_parts; on unless OFFLOAD_ENGINE_PROMOTE_IN_PARTS=0): a host row takes spare device
-room for its leading blocks and becomes a split row; once the rest fits, the split row is promoted, its host part
-copied after its device part. Greedy tokens equal transformers' along the path host -> split -> device."""
+"""Promotion in parts (Scheduler.promote_in_parts; on unless OFFLOAD_ENGINE_PROMOTE_IN_PARTS=0): a host row takes
+spare device room for its leading blocks and becomes a split row; once the rest fits, the split row is promoted, its
+host part copied after its device part. Greedy tokens equal transformers' along the path host -> split -> device."""
 import pytest
 
 from offload_engine import LLM, SamplingParams
