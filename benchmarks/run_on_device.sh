@@ -198,24 +198,27 @@ case "${1:-check}" in
     [ "$first" -gt 0 ] || [ "${SHARD_MULTI_GPU:-1}" = 0 ] && all=1  # no shard of two GPUs
     # Tests of several GPUs (tensor parallelism, prefill/decode separation) get a shard of their own that sees two
     # GPUs (shared with the first shards) where the host has them; the rest are dealt out by size.
-    files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_" | xargs wc -c | sort -rn | awk '$2!="total"{print $2}')
+    files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_")
     [ "$all" -ge 2 ] && files=$(echo "$files" | grep -v -e tests/distributed/ -e tests/engine/disagg/)
-    i=0; for f in $files; do echo "$f" >> "$OUT/shard_$((i % shards)).txt"; i=$((i + 1)); done
+    # dealt by the seconds each file took last time (benchmarks/deal_tests.py; the run writes them anew)
+    .venv/bin/python -m benchmarks.deal_tests $shards benchmarks/results/gpu_test_seconds.json $files |
+      { g=0; while read -r line; do echo "$line" | tr ' ' '\n' > "$OUT/shard_$g.txt"; g=$((g + 1)); done; }
     if [ "$all" -ge 2 ]; then
       ls tests/distributed/test_*.py tests/engine/disagg/test_*.py > "$OUT/shard_$shards.txt"
       CUDA_VISIBLE_DEVICES=0,1 NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda timeout ${SHARD_LIMIT:-560} \
-        .venv/bin/python -m pytest -v -rs --durations=5 -o faulthandler_timeout=240 $(cat "$OUT/shard_$shards.txt") > "$OUT/gpu_tests_shard_$shards.txt" 2>&1 &
+        .venv/bin/python -m pytest -v -rs --durations=5 -o faulthandler_timeout=240 --junitxml="$OUT/junit_$shards.xml" $(cat "$OUT/shard_$shards.txt") > "$OUT/gpu_tests_shard_$shards.txt" 2>&1 &
     fi
     for g in $(seq 0 $((shards - 1))); do
       c=$(( (first * per + g) * cores ))
       CUDA_VISIBLE_DEVICES=$((first + g % gpus)) NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda \
         taskset -c $c-$((c + cores - 1)) timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -q -rs \
-        --durations=5 -o faulthandler_timeout=240 $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
+        --durations=5 -o faulthandler_timeout=240 --junitxml="$OUT/junit_$g.xml" $(cat "$OUT/shard_$g.txt") > "$OUT/gpu_tests_shard_$g.txt" 2>&1 &
     done
     wait; gpus=$shards; [ "$all" -ge 2 ] && gpus=$((shards + 1))
     { echo "# make test-gpu in $gpus shards ($per per GPU), $(date -u '+%F %H:%M') UTC, commit ${BENCH_COMMIT:-?}, backend ${OFFLOAD_ENGINE_ATTENTION_BACKEND:-auto}, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
       for g in $(seq 0 $((gpus - 1))); do echo "## shard $g: $(tr '\n' ' ' < "$OUT/shard_$g.txt")"; cat "$OUT/gpu_tests_shard_$g.txt"; done
     } > "$OUT/${GPU_TESTS:-gpu_tests}.txt"; grep -h "passed\|failed" "$OUT"/gpu_tests_shard_*.txt; rm -f "$OUT"/shard_*.txt "$OUT"/gpu_tests_shard_*.txt
+    .venv/bin/python -m benchmarks.deal_tests --seconds "$OUT"/junit_*.xml > "$OUT/gpu_test_seconds.json"; rm -f "$OUT"/junit_*.xml
     ;;
   decode-tiles)  # the paged decode kernel's tiles and split counts against the HBM copy rate (issue 59: the device
     # lane's batch-1 attention of a long-context batch read 0.77 of it on the H200 host; ~2-3 min)
