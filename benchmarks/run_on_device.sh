@@ -65,10 +65,11 @@ case "${1:-check}" in
   suite-guarantee-small|suite-guarantee-8b)  # the suite's guarantee alone (auto against gpu at every b and dh point
     # of one model size), no cpu placement, no peers: one call where the full parts take two. It writes
     # offload_full_b-<model>-dh-<model>.json: report.py merges every offload_full_*.json of a folder, so the same
-    # points' older parts there (offload_full_b-<model>.json, ..._dh-<model>.json) leave it when this lands
+    # points' older parts there (offload_full_b-<model>.json, ..._dh-<model>.json) leave it when this lands.
+    # ROUNDS=2: gpu and auto in turns twice at each point, each keeping its faster (0.6B: ~5 min)
     model=qwen3-0.6b; [ "$1" = suite-guarantee-8b ] && model=qwen3-8b
     step "${1//-/_}" 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names b,dh \
-      --b-models $model --no-peers --no-cpu --out-dir "$OUT"
+      --b-models $model --no-peers --no-cpu --rounds ${ROUNDS:-1} --out-dir "$OUT"
     ;;
   suite-dh-8b)  # decode-heavy 8B: gpu and auto at a 24 GiB card's KV room and at 1/8, no cpu, no peers (~4-5 min)
     step suite_dh_8b 570 python3 benchmarks/bench_throughput.py --profile full --workloads b --b-names dh \

@@ -157,3 +157,24 @@ def test_placement_constants_are_set_by_name_and_checked_before_any_work(monkeyp
         with pytest.raises(ValueError, match=says):
             set_placement_constants(["HOST_PROBE_STEPS=4", bad])
         assert placement.HOST_PROBE_STEPS == 8  # nothing set when one assignment is bad
+
+
+def test_rounds_run_gpu_and_auto_in_turns_and_each_keeps_its_fastest(monkeypatch):
+    from benchmarks import bench_throughput
+    from benchmarks.workloads import PROFILES, BeyondVram
+
+    order, rates = [], iter([10.0, 9.0, 8.0, 12.0, 5.0])  # gpu, auto, then auto, gpu; then cpu
+    def fake_measure(path, prompts, output_lens, kv_placement, num_gpu_blocks, **kwargs):
+        order.append(kv_placement)
+        return {"output_tok_per_s": next(rates)}
+    monkeypatch.setattr(bench_throughput, "measure", fake_measure)
+    monkeypatch.setattr(bench_throughput, "model_dir", lambda name, cache: "unused")
+    monkeypatch.setattr(bench_throughput, "_kv_bytes_per_token", lambda path: 1024)
+    spec = BeyondVram(model="tiny", num_seqs=2, prompt_len=32, output_len=8, budget_fractions=(0.5,), peer_batch=1,
+                      peers=False)
+    b = bench_throughput.workload_b(PROFILES["small"], spec, "unused", read_gbps=1.0, rounds=2)
+    assert order == ["gpu", "auto", "auto", "gpu", "cpu"]
+    at = {run["placement"]: run for run in b["runs"]}
+    assert at["gpu"]["output_tok_per_s"] == 12.0 and at["gpu"]["rounds_output_tok_per_s"] == [10.0, 12.0]
+    assert at["auto"]["output_tok_per_s"] == 9.0 and at["auto"]["rounds_output_tok_per_s"] == [9.0, 8.0]
+    assert b["ratios"]["auto/gpu@" + str(at["gpu"]["budget_blocks"])] == 9.0 / 12.0
