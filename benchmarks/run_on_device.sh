@@ -198,7 +198,7 @@ case "${1:-check}" in
     cores=$(( $(nproc) / all / per )); first=${SHARD_FIRST_GPU:-0}
     [ "$first" -gt 0 ] || [ "${SHARD_MULTI_GPU:-1}" = 0 ] && all=1  # no shard of two GPUs
     # Tests of several GPUs (tensor parallelism, prefill/decode separation) get a shard of their own that sees two
-    # GPUs (shared with the first shards) where the host has them; the rest are dealt out by size.
+    # GPUs (shared with the first shards) where the host has them; the rest are dealt out by their seconds.
     files=$(ls tests/*.py tests/*/*.py tests/*/*/*.py 2>/dev/null | grep "/test_")
     [ "$all" -ge 2 ] && files=$(echo "$files" | grep -v -e tests/distributed/ -e tests/engine/disagg/)
     # dealt by the seconds each file took last time (benchmarks/deal_tests.py; the run writes them anew)
@@ -210,6 +210,7 @@ case "${1:-check}" in
         .venv/bin/python -m pytest -v -rs --durations=5 -o faulthandler_timeout=240 --junitxml="$OUT/junit_$shards.xml" $(cat "$OUT/shard_$shards.txt") > "$OUT/gpu_tests_shard_$shards.txt" 2>&1 &
     fi
     for g in $(seq 0 $((shards - 1))); do
+      grep -q . "$OUT/shard_$g.txt" 2>/dev/null || { echo "(no files)" > "$OUT/gpu_tests_shard_$g.txt"; continue; }
       c=$(( (first * per + g) * cores ))
       CUDA_VISIBLE_DEVICES=$((first + g % gpus)) NUMBA_NUM_THREADS=$cores OFFLOAD_ENGINE_TEST_DEVICE=cuda \
         taskset -c $c-$((c + cores - 1)) timeout ${SHARD_LIMIT:-560} .venv/bin/python -m pytest -q -rs \
