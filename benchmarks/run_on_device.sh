@@ -108,7 +108,7 @@ case "${1:-check}" in
     for point in "${points[@]}"; do
       set -- $point
       for placement in gpu auto; do
-        name=mixed_$1_$2x$3+$4_s$8_$5_$placement
+        name=mixed_$1_$2x$3-$4_s$8_$5_$placement
         step $name 240 python3 benchmarks/bench_throughput.py single --model $1 --num-seqs $2 --prompt-len $3 \
           --output-len $4 --spread $8 --num-gpu-blocks $5 --cpu-kv-cache-gb $6 --max-model-len $7 \
           --kv-placement $placement --out "$OUT/$name.json"
@@ -127,7 +127,7 @@ case "${1:-check}" in
           IFS=',' read -ra assignments <<< "${run#*:}"
           for a in "${assignments[@]}"; do sets+=(--set-placement "$a"); label+=_${a/=/-}; done
         fi
-        base=ab_$1_$2x$3+$4_$5_$label; name=$base; k=1
+        base=ab_$1_$2x$3-$4_$5_$label; name=$base; k=1
         while [ -e "$OUT/$name.json" ]; do k=$((k + 1)); name=${base}_r$k; done
         step $name 300 python3 benchmarks/bench_throughput.py single --model $1 --num-seqs $2 --prompt-len $3 \
           --output-len $4 --num-gpu-blocks $5 --cpu-kv-cache-gb $6 --max-model-len $7 --kv-placement $placement \
